@@ -1,0 +1,80 @@
+"""Seam: refuse to run HiSparse unless every HiSparse object in the scheduler is ours.
+
+Upstream target: ``sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator`` (AFTER).
+Checked against: SGLang 0.5.17.
+
+SGLang's plugin loader logs and swallows plugin exceptions, and ``HookRegistry.apply_hooks``
+does the same per target: a broken install would silently serve with SGLang's own HiSparse.
+This hook runs in every scheduler process right after the coordinator is attached and raises
+if HiSparse is enabled and (a) the installed SGLang is not the supported version, or (b) the
+coordinator, the allocator or the device pool is not the class this plugin registered.
+With HiSparse disabled it does nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+from sglang_hisparse.errors import HiSparsePluginError
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator"
+CHECKED_AGAINST = "0.5.17"
+
+ROLES = ("coordinator", "allocator", "device_pool")
+
+
+def scheduler_objects(scheduler: Any) -> dict[str, Any]:
+    """The HiSparse objects a scheduler holds, by role."""
+    allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
+    get_kvcache = getattr(allocator, "get_kvcache", None)
+    return {
+        "coordinator": getattr(scheduler, "hisparse_coordinator", None),
+        "allocator": allocator,
+        "device_pool": get_kvcache() if callable(get_kvcache) else None,
+    }
+
+
+def make_hook(
+    expected: Mapping[str, type], version_problem: Optional[str]
+) -> Callable[..., None]:
+    """Build the AFTER hook.
+
+    Args:
+        expected: role -> the class this plugin registered for it. A role missing here has no
+            implementation of ours yet, so HiSparse must not start.
+        version_problem: a message when the installed SGLang is unsupported, else None.
+    """
+
+    def check_hisparse_objects(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        if not getattr(scheduler, "enable_hisparse", False):
+            return None
+        if version_problem is not None:
+            raise HiSparsePluginError(version_problem)
+        objects = scheduler_objects(scheduler)
+        problems = []
+        for role in ROLES:
+            cls = expected.get(role)
+            obj = objects[role]
+            if cls is None:
+                problems.append(f"{role}: sglang-hisparse has no implementation yet")
+            elif not isinstance(obj, cls):
+                problems.append(
+                    f"{role}: expected {cls.__module__}.{cls.__qualname__}, "
+                    f"found {type(obj).__module__}.{type(obj).__qualname__}"
+                )
+        if problems:
+            raise HiSparsePluginError(
+                "--enable-hisparse: sglang-hisparse is installed but not in control ("
+                + "; ".join(problems)
+                + "). Look for 'Failed to' lines from sglang.srt.plugins above, or set "
+                "SGLANG_PLUGINS to names that exclude 'hisparse' to run SGLang's own HiSparse."
+            )
+        return None
+
+    return check_hisparse_objects
+
+
+def register(registry: Any, expected: Mapping[str, type], version_problem: Optional[str]) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    registry.register(TARGET, make_hook(expected, version_problem), HookType.AFTER)

@@ -1,0 +1,209 @@
+"""Typed HiSparse configuration, parsed once from ``--hisparse-config``.
+
+SGLang carries ``--hisparse-config`` as a JSON string. Upstream parses it loosely (unknown keys
+are kept silently, types are barely checked, ``swap_in_block_size=256`` crashes the kernel). We
+parse it into one frozen :class:`HiSparseConfig` and refuse bad input with a one-line message
+that names the key, the value and what is allowed.
+
+Only this module knows the keys. Everything else reads the typed object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+logger = logging.getLogger(__name__)
+
+# Hot-buffer slots are stored as int16 in the LRU tables and in the kernel.
+MAX_DEVICE_BUFFER_SIZE = 32767
+MIN_BLOCK_SIZE = 32
+MAX_BLOCK_SIZE = 1024
+DEFAULT_TOP_K = 2048
+DEFAULT_HOST_TO_DEVICE_RATIO = 2
+DEFAULT_SWAP_IN_BLOCK_SIZE = 960
+RESOLVER_CHOICES = ("auto", "reference", "cuda")
+
+
+class HiSparseConfigError(ValueError):
+    """A ``--hisparse-config`` value is invalid. The message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """The effective HiSparse settings of one server.
+
+    Invariants (checked by :func:`parse_hisparse_config`):
+      * ``top_k <= device_buffer_size <= 32767``
+      * ``host_to_device_ratio >= 1``
+      * ``swap_in_block_size`` is a multiple of 32 in ``[32, 1024]``
+    """
+
+    top_k: int = DEFAULT_TOP_K
+    """Selected positions per request, layer and step. The model's ``index_topk`` wins."""
+    device_buffer_size: int = 2 * DEFAULT_TOP_K
+    """B: hot-buffer slots per request and layer, not counting the newest-token page."""
+    host_to_device_ratio: int = DEFAULT_HOST_TO_DEVICE_RATIO
+    """Logical (and host) token capacity as a multiple of the device pool's capacity."""
+    swap_in_block_size: int = DEFAULT_SWAP_IN_BLOCK_SIZE
+    """CUDA threads per block of the resolve kernel."""
+    resolver: str = "auto"
+    """Which resolver runs a layer: ``auto`` (CUDA kernel on CUDA, reference elsewhere),
+    ``reference`` (pure torch, any device) or ``cuda`` (fail if the kernel cannot run)."""
+    skip_io: bool = False
+    """Timing oracle: resolve and plan, but copy no KV bytes. Outputs are garbage."""
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(HiSparseConfig))
+
+
+KNOWN_KEYS: tuple[str, ...] = _field_names()
+
+
+def _fail(key: str, value: Any, allowed: str) -> HiSparseConfigError:
+    return HiSparseConfigError(
+        f"--hisparse-config: invalid {key}={json.dumps(value)}: {allowed}"
+    )
+
+
+def _require_int(raw: Mapping[str, Any], key: str, default: int) -> int:
+    if key not in raw:
+        return default
+    value = raw[key]
+    # bool is an int subclass; "true" is never a valid size.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _fail(key, value, "must be an integer")
+    return value
+
+
+def _require_bool(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    if key not in raw:
+        return default
+    value = raw[key]
+    if not isinstance(value, bool):
+        raise _fail(key, value, "must be true or false")
+    return value
+
+
+def _require_choice(
+    raw: Mapping[str, Any], key: str, default: str, choices: tuple[str, ...]
+) -> str:
+    if key not in raw:
+        return default
+    value = raw[key]
+    if value not in choices:
+        raise _fail(key, value, f"must be one of {', '.join(choices)}")
+    return value
+
+
+def parse_hisparse_config(
+    raw_json: Optional[str], model_index_topk: Optional[int] = None
+) -> HiSparseConfig:
+    """Parse and validate ``--hisparse-config``.
+
+    Args:
+        raw_json: the JSON object string from the command line, or None (all defaults).
+        model_index_topk: the model's ``index_topk``; when given it is the effective top_k
+            (as upstream), whatever the ``top_k`` key says.
+
+    Raises:
+        HiSparseConfigError: one line naming the key, the value and what is allowed.
+    """
+    return _parse_cached(raw_json, model_index_topk)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_cached(
+    raw_json: Optional[str], model_index_topk: Optional[int]
+) -> HiSparseConfig:
+    if raw_json is None or raw_json.strip() == "":
+        raw: dict[str, Any] = {}
+    else:
+        try:
+            raw = json.loads(raw_json)
+        except json.JSONDecodeError as e:
+            raise HiSparseConfigError(
+                f"--hisparse-config: not valid JSON ({e.msg} at line {e.lineno} "
+                f"column {e.colno}); expected an object such as "
+                '\'{"device_buffer_size": 4096, "host_to_device_ratio": 2}\''
+            ) from None
+        if not isinstance(raw, dict):
+            raise HiSparseConfigError(
+                f"--hisparse-config: expected a JSON object, got {json.dumps(raw)}"
+            )
+
+    unknown = sorted(set(raw) - set(KNOWN_KEYS))
+    if unknown:
+        raise HiSparseConfigError(
+            f"--hisparse-config: unknown key(s) {', '.join(unknown)}; "
+            f"known keys: {', '.join(KNOWN_KEYS)}"
+        )
+
+    user_top_k = _require_int(raw, "top_k", DEFAULT_TOP_K)
+    if user_top_k < 1:
+        raise _fail("top_k", user_top_k, "must be >= 1")
+    top_k = user_top_k
+    if model_index_topk is not None:
+        top_k = int(model_index_topk)
+        if "top_k" in raw and user_top_k != top_k:
+            logger.warning(
+                "--hisparse-config top_k=%d ignored: the model's index_topk=%d is used",
+                user_top_k,
+                top_k,
+            )
+
+    device_buffer_size = _require_int(raw, "device_buffer_size", 2 * top_k)
+    if not top_k <= device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+        raise _fail(
+            "device_buffer_size",
+            device_buffer_size,
+            f"must be in [top_k={top_k}, {MAX_DEVICE_BUFFER_SIZE}] "
+            "(hot-buffer slots are int16)",
+        )
+
+    ratio = _require_int(raw, "host_to_device_ratio", DEFAULT_HOST_TO_DEVICE_RATIO)
+    if ratio < 1:
+        raise _fail("host_to_device_ratio", ratio, "must be an integer >= 1")
+
+    block = _require_int(raw, "swap_in_block_size", DEFAULT_SWAP_IN_BLOCK_SIZE)
+    if block % 32 != 0 or not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+        raise _fail(
+            "swap_in_block_size",
+            block,
+            f"must be a multiple of 32 in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
+        )
+
+    return HiSparseConfig(
+        top_k=top_k,
+        device_buffer_size=device_buffer_size,
+        host_to_device_ratio=ratio,
+        swap_in_block_size=block,
+        resolver=_require_choice(raw, "resolver", "auto", RESOLVER_CHOICES),
+        skip_io=_require_bool(raw, "skip_io", False),
+    )
+
+
+def model_index_topk(model_config: Any) -> Optional[int]:
+    """The model's ``index_topk`` (DSA), read from an SGLang ``ModelConfig``, or None."""
+    for attr in ("hf_text_config", "hf_config"):
+        hf = getattr(model_config, attr, None)
+        topk = getattr(hf, "index_topk", None) if hf is not None else None
+        if topk is not None:
+            return int(topk)
+    return None
+
+
+def config_from_server_args(server_args: Any) -> HiSparseConfig:
+    """The typed config of a server, with the model's ``index_topk`` applied."""
+    return parse_hisparse_config(
+        server_args.hisparse_config,
+        model_index_topk(server_args.get_model_config()),
+    )

@@ -1,0 +1,86 @@
+"""The plugin entry point (group ``sglang.srt.plugins``, name ``hisparse``).
+
+SGLang calls :func:`register` with no arguments in the launcher and first thing in every
+scheduler process, then applies the registered hooks. SGLang logs and swallows exceptions
+raised here, so registration is ordered to fail safe: the self-check (which makes
+``--enable-hisparse`` refuse to start unless every HiSparse object is ours) is registered first
+and learns each class only once that class's seam is registered.
+
+Nothing changes while ``--enable-hisparse`` is off: the hooked SGLang functions are only called
+on HiSparse paths, and the REPLACEd classes are only built when HiSparse is enabled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from types import ModuleType
+from typing import Any, Optional, Sequence
+
+from sglang_hisparse import SUPPORTED_SGLANG_VERSION
+
+logger = logging.getLogger(__name__)
+
+
+def installed_sglang_version() -> str:
+    return importlib.metadata.version("sglang")
+
+
+def version_problem(version: str) -> Optional[str]:
+    """The message for an unsupported SGLang, or None when ``version`` is supported."""
+    if version == SUPPORTED_SGLANG_VERSION:
+        return None
+    return f"sglang-hisparse supports SGLang {SUPPORTED_SGLANG_VERSION}; found {version}"
+
+
+def function_seams() -> list[ModuleType]:
+    """Seams that replace functions (no class of ours needed)."""
+    from sglang_hisparse.patches import config_parser, validation
+
+    return [validation, config_parser]
+
+
+def class_seams() -> list[ModuleType]:
+    """Seams that replace an upstream class with ours; each has ROLE and IMPLEMENTATION."""
+    return []
+
+
+def register(
+    registry: Any = None,
+    *,
+    sglang_version: Optional[str] = None,
+    seams: Optional[Sequence[ModuleType]] = None,
+) -> None:
+    """Register our hooks. Arguments exist for tests; SGLang passes none.
+
+    Side effects: registrations in ``registry`` (SGLang's ``HookRegistry`` by default); SGLang
+    applies them after every plugin ran.
+    """
+    from sglang_hisparse.patches import self_check
+
+    if registry is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        registry = HookRegistry
+    version = sglang_version or installed_sglang_version()
+    problem = version_problem(version)
+    if problem is not None:
+        logger.error("%s: only the self-check is registered; --enable-hisparse will refuse to start", problem)
+        self_check.register(registry, expected={}, version_problem=problem)
+        return
+
+    # Filled as each class seam registers; the hook reads it when it runs.
+    expected: dict[str, type] = {}
+    self_check.register(registry, expected=expected, version_problem=None)
+    for seam in function_seams():
+        seam.register(registry)
+    for seam in class_seams() if seams is None else seams:
+        seam.register(registry)
+        expected[seam.ROLE] = seam.IMPLEMENTATION
+    logger.info("sglang-hisparse %s: hooks registered for SGLang %s", _own_version(), version)
+
+
+def _own_version() -> str:
+    from sglang_hisparse import __version__
+
+    return __version__

@@ -1,0 +1,102 @@
+"""The typed --hisparse-config: defaults, the model's top_k, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sglang_hisparse.config import (
+    KNOWN_KEYS,
+    HiSparseConfig,
+    HiSparseConfigError,
+    parse_hisparse_config,
+)
+
+
+def test_defaults_follow_the_model_top_k():
+    """With no keys, B = 2 x the model's index_topk; ratio 2; block 960."""
+    cfg = parse_hisparse_config(None, model_index_topk=64)
+    assert cfg == HiSparseConfig(
+        top_k=64, device_buffer_size=128, host_to_device_ratio=2, swap_in_block_size=960
+    )
+
+
+def test_defaults_without_a_model_top_k_match_upstream():
+    cfg = parse_hisparse_config("{}")
+    assert (cfg.top_k, cfg.device_buffer_size) == (2048, 4096)
+
+
+def test_model_index_topk_wins_over_the_key():
+    cfg = parse_hisparse_config('{"top_k": 512}', model_index_topk=2048)
+    assert cfg.top_k == 2048 and cfg.device_buffer_size == 4096
+
+
+def test_all_keys_round_trip():
+    raw = {
+        "top_k": 64,
+        "device_buffer_size": 192,
+        "host_to_device_ratio": 4,
+        "swap_in_block_size": 256,
+        "resolver": "reference",
+        "skip_io": True,
+    }
+    cfg = parse_hisparse_config(json.dumps(raw))
+    assert cfg.to_json_dict() == raw
+
+
+def test_config_is_frozen():
+    cfg = parse_hisparse_config(None)
+    with pytest.raises(Exception):
+        cfg.top_k = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"bogus": 1}', "unknown key(s) bogus; known keys: " + ", ".join(KNOWN_KEYS)),
+        ('{"device_buffer_size": "4096"}', 'invalid device_buffer_size="4096": must be an integer'),
+        ('{"device_buffer_size": 4096.0}', "invalid device_buffer_size=4096.0: must be an integer"),
+        ('{"device_buffer_size": true}', "invalid device_buffer_size=true: must be an integer"),
+        ('{"device_buffer_size": 63}', "invalid device_buffer_size=63: must be in [top_k=64, 32767]"),
+        ('{"device_buffer_size": 32768}', "invalid device_buffer_size=32768: must be in [top_k=64, 32767]"),
+        ('{"swap_in_block_size": 100}', "invalid swap_in_block_size=100: must be a multiple of 32 in [32, 1024]"),
+        ('{"swap_in_block_size": 0}', "invalid swap_in_block_size=0: must be a multiple of 32 in [32, 1024]"),
+        ('{"swap_in_block_size": 1056}', "invalid swap_in_block_size=1056: must be a multiple of 32 in [32, 1024]"),
+        ('{"host_to_device_ratio": 0}', "invalid host_to_device_ratio=0: must be an integer >= 1"),
+        ('{"host_to_device_ratio": 1.5}', "invalid host_to_device_ratio=1.5: must be an integer"),
+        ('{"resolver": "fast"}', 'invalid resolver="fast": must be one of auto, reference, cuda'),
+        ('{"skip_io": 1}', "invalid skip_io=1: must be true or false"),
+    ],
+)
+def test_bad_input_gets_a_one_line_message_naming_the_key(raw, fragment):
+    with pytest.raises(HiSparseConfigError) as info:
+        parse_hisparse_config(raw, model_index_topk=64)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert message.startswith("--hisparse-config: ")
+
+
+@given(
+    top_k=st.integers(1, 16383),
+    extra=st.integers(0, 16384),
+    ratio=st.integers(1, 64),
+    block_warps=st.integers(1, 32),
+)
+def test_every_legal_combination_parses(top_k, extra, ratio, block_warps):
+    buffer_size = min(top_k + extra, 32767)
+    raw = json.dumps(
+        {
+            "device_buffer_size": buffer_size,
+            "host_to_device_ratio": ratio,
+            "swap_in_block_size": 32 * block_warps,
+        }
+    )
+    cfg = parse_hisparse_config(raw, model_index_topk=top_k)
+    assert cfg.top_k <= cfg.device_buffer_size <= 32767
+    assert cfg.swap_in_block_size % 32 == 0

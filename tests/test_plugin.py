@@ -1,0 +1,268 @@
+"""Plugin activation, observed from fresh interpreters as SGLang's processes see it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+VERSION_MESSAGE = "sglang-hisparse supports SGLang 0.5.17; found 0.5.23"
+
+# A stand-in scheduler: just what Scheduler.init_hisparse_coordinator touches.
+FAKE_SCHEDULER = """
+from types import SimpleNamespace
+def fake_scheduler(coordinator, allocator, enable=True):
+    runner = SimpleNamespace(hisparse_coordinator=coordinator)
+    return SimpleNamespace(
+        enable_hisparse=enable,
+        tp_worker=SimpleNamespace(model_runner=runner),
+        forward_stream=None,
+        token_to_kv_pool_allocator=allocator,
+    )
+class FakeCoordinator:
+    def set_decode_producer_stream(self, stream):
+        self.stream = stream
+"""
+
+
+def with_fake_scheduler(snippet: str) -> str:
+    return FAKE_SCHEDULER + textwrap.dedent(snippet)
+
+
+def test_entry_point_is_discovered(run_fresh_python):
+    result = run_fresh_python(
+        """
+        from importlib.metadata import entry_points
+        eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+        print(eps.get("hisparse"))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "sglang_hisparse.plugin:register"
+
+
+def test_load_plugins_patches_our_function_targets(run_fresh_python):
+    """After SGLang's own load_plugins(), validate_hisparse runs our checks, the config parser is
+    ours both in its module and in the package re-export, and the self-check wraps the scheduler."""
+    result = run_fresh_python(
+        """
+        from types import SimpleNamespace
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        import sglang.srt.arg_groups.hisparse_hook as hook
+        import sglang.srt.mem_cache.sparsity as sparsity
+        import sglang.srt.mem_cache.sparsity.factory as factory
+        from sglang_hisparse.config import HiSparseConfigError
+        def no_model():
+            raise AssertionError("model config read while HiSparse is disabled")
+        off = SimpleNamespace(enable_hisparse=False, get_model_config=no_model)
+        print(hook.validate_hisparse(off))
+        on = SimpleNamespace(enable_hisparse=True, hisparse_config='{"bogus": 1}',
+                             get_model_config=lambda: SimpleNamespace(hf_config=None))
+        try:
+            hook.validate_hisparse(on)
+        except HiSparseConfigError as e:
+            print("ours:", str(e)[:40])
+        print(factory.parse_hisparse_config is sparsity.parse_hisparse_config,
+              factory.parse_hisparse_config.__wrapped__.__module__)
+        from sglang.srt.managers.scheduler import Scheduler
+        print(Scheduler.init_hisparse_coordinator.__wrapped__.__qualname__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "None",
+        "ours: --hisparse-config: unknown key(s) bogus;",
+        "True sglang.srt.mem_cache.sparsity.factory",
+        "Scheduler.init_hisparse_coordinator",
+    ]
+
+
+def test_replaced_functions_run_our_code(run_fresh_python):
+    result = run_fresh_python(
+        """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from types import SimpleNamespace
+        import sglang.srt.mem_cache.sparsity as sparsity
+        model = SimpleNamespace(hf_text_config=SimpleNamespace(index_topk=64))
+        args = SimpleNamespace(hisparse_config='{"host_to_device_ratio": 3}',
+                               get_model_config=lambda: model)
+        cfg = sparsity.parse_hisparse_config(args)
+        print(cfg.top_k, cfg.device_buffer_size, cfg.host_to_device_ratio, cfg.sparse_extra_config)
+        args.hisparse_config = '{"bogus": 1}'
+        try:
+            sparsity.parse_hisparse_config(args)
+        except ValueError as e:
+            print("refused:", e)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "64 128 3 {'resolver': 'auto', 'skip_io': False}"
+    assert out[1].startswith("refused: --hisparse-config: unknown key(s) bogus")
+
+
+def test_class_seams_replace_upstream_classes_everywhere(run_fresh_python):
+    """A class seam (here a test double) becomes what every SGLang module resolves the name to,
+    and the self-check accepts a scheduler that holds our objects."""
+    result = run_fresh_python(
+        with_fake_scheduler(
+            """
+        from types import ModuleType
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        import sglang.srt.managers.hisparse_coordinator as upstream
+        from sglang_hisparse import plugin
+
+        class OurCoordinator(FakeCoordinator): pass
+        class OurAllocator:
+            def get_kvcache(self): return OurPool()
+        class OurPool: pass
+
+        def seam(role, target, cls):
+            m = ModuleType("seam_" + role)
+            m.ROLE, m.IMPLEMENTATION = role, cls
+            m.register = lambda reg: reg.register(target, cls, HookType.REPLACE)
+            return m
+
+        originals = [upstream.HiSparseCoordinator]  # a list: the registry rebinds module globals
+        plugin.register(HookRegistry, seams=[
+            seam("coordinator", "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator", OurCoordinator),
+            seam("allocator", "sglang.srt.mem_cache.allocator.hisparse.HiSparseTokenToKVPoolAllocator", OurAllocator),
+            seam("device_pool", "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool", OurPool),
+        ])
+        HookRegistry.apply_hooks()
+        import sglang.srt.managers.scheduler as sched_mod
+        print(upstream.HiSparseCoordinator is OurCoordinator,
+              sched_mod.HiSparseCoordinator is OurCoordinator,
+              upstream.HiSparseCoordinator is not originals[0])
+        s = fake_scheduler(OurCoordinator(), OurAllocator())
+        sched_mod.Scheduler.init_hisparse_coordinator(s)
+        print("accepted", s.hisparse_coordinator.stream)
+        """
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["True True True", "accepted None"]
+
+
+def test_self_check_refuses_upstream_objects(run_fresh_python):
+    """With HiSparse enabled and an object that is not ours, the scheduler refuses to start;
+    with HiSparse disabled nothing happens."""
+    result = run_fresh_python(
+        with_fake_scheduler(
+            """
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from sglang_hisparse import plugin
+        from sglang_hisparse.errors import HiSparsePluginError
+        plugin.register(HookRegistry, seams=[])
+        HookRegistry.apply_hooks()
+        from sglang.srt.managers.scheduler import Scheduler
+        Scheduler.init_hisparse_coordinator(fake_scheduler(None, None, enable=False))
+        print("disabled: fine")
+        try:
+            Scheduler.init_hisparse_coordinator(fake_scheduler(FakeCoordinator(), object()))
+        except HiSparsePluginError as e:
+            print("refused:", e)
+        """
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "disabled: fine"
+    assert out[1].startswith("refused: --enable-hisparse: sglang-hisparse is installed but not in control")
+    assert "coordinator: sglang-hisparse has no implementation yet" in out[1]
+    assert "SGLANG_PLUGINS" in out[1]
+
+
+def test_version_guard_registers_only_the_self_check(run_fresh_python):
+    result = run_fresh_python(
+        with_fake_scheduler(
+            """
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from sglang_hisparse import plugin
+        from sglang_hisparse.errors import HiSparsePluginError
+        plugin.register(HookRegistry, sglang_version="0.5.23")
+        print(sorted(HookRegistry._hooks))
+        HookRegistry.apply_hooks()
+        from sglang.srt.managers.scheduler import Scheduler
+        Scheduler.init_hisparse_coordinator(fake_scheduler(None, None, enable=False))
+        print("disabled: fine")
+        try:
+            Scheduler.init_hisparse_coordinator(fake_scheduler(FakeCoordinator(), None))
+        except HiSparsePluginError as e:
+            print("refused:", e)
+        """
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "['sglang.srt.managers.scheduler.Scheduler.init_hisparse_coordinator']"
+    assert out[1] == "disabled: fine"
+    assert out[2] == "refused: " + VERSION_MESSAGE
+
+
+def test_excluding_the_plugin_gives_sglang_its_own_hisparse(run_fresh_python):
+    result = run_fresh_python(
+        """
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        import sglang.srt.arg_groups.hisparse_hook as hook
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        print(hook.validate_hisparse.__module__, hasattr(hook.validate_hisparse, "__wrapped__"),
+              len(HookRegistry._hooks))
+        """,
+        env={"SGLANG_PLUGINS": "some_other_plugin"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "sglang.srt.arg_groups.hisparse_hook False 0"
+
+
+def _write_config(path: Path, config: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
+    "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+}
+
+
+def _launch(args: list[str], timeout: float = 240):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_launcher_refuses_bad_config_before_any_process_starts(tmp_path):
+    """The real launcher runs our validation during argument resolution: a bad key and a
+    non-DSA model each fail with our one-line message, before any scheduler is spawned."""
+    model = _write_config(tmp_path / "qwen2", TINY_QWEN2)
+    common = ["--model-path", str(model), "--skip-tokenizer-init", "--disable-radix-cache",
+              "--device", "cpu", "--enable-hisparse"]
+    bad_key = _launch(common + ["--hisparse-config", '{"device_buffer_size": 8, "bogus": 1}'])
+    assert bad_key.returncode != 0
+    assert "--hisparse-config: unknown key(s) bogus; known keys: top_k" in bad_key.stderr
+    assert "Scheduler" not in bad_key.stderr.split("HiSparseConfigError")[-1]
+    not_dsa = _launch(common + ["--hisparse-config", '{"device_buffer_size": 4096}'])
+    assert not_dsa.returncode != 0
+    assert "model Qwen2ForCausalLM has no DSA indexer" in not_dsa.stderr
+
+
+@pytest.mark.slow
+def test_launch_server_help_still_works():
+    result = _launch(["--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--enable-hisparse" in result.stdout and "--hisparse-config" in result.stdout
