@@ -1,0 +1,178 @@
+"""Reference resolver: pure torch, any device. The oracle of the CUDA kernel.
+
+One call resolves one layer for a batch: each request's selected logical positions become
+device rows of its hot buffer, copying misses from host. Semantics (docs/design.md, "Resolver"):
+
+For request ``i < num_real_reqs`` (rows at and beyond ``num_real_reqs`` are not touched), with
+``L = seq_lens[i]``, ``r = req_pool_indices[i]`` and B = ``device_buffer_size``:
+
+* A padding entry (``-1``) resolves to ``-1``.
+* Fast path, ``L <= B``: position ``p`` lives at slot ``p``: ``out = hot_locs[r, p]``. No IO, no
+  table or LRU change.
+* Otherwise the newest position ``L - 1`` resolves to the reserved newest slot B
+  (``hot_locs[r, B]``); it is not in the slot table or the LRU.
+* Any other selected position held by a slot ``s < B`` (``slot_tokens[r, s] == p``) is a hit:
+  ``out = hot_locs[r, s]``.
+* Misses, in top-k order, take the least recently used slots among those not hit this step:
+  the j-th miss takes the j-th oldest such slot. Its host row ``host_locs[r, p]`` is copied into
+  device row ``hot_locs[r, s]`` and ``slot_tokens[r, s] = p``.
+* New LRU order (oldest first): the remaining evictable slots in their previous order, then this
+  step's miss slots in top-k order, then this step's hit slots in their previous order.
+
+Preconditions: selected positions of a request are distinct and in ``[-1, L)``; B >= the number
+of non-newest selections. Tensors are updated in place; the function allocates only temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+
+@dataclass
+class ResolveStats:
+    """What one call did (host-side numbers; the reference computes them eagerly)."""
+
+    selected: int = 0
+    """Selected entries of long-path requests, newest excluded."""
+    misses: int = 0
+    copied_bytes: int = 0
+
+
+@dataclass
+class MissPlan:
+    """The copies a resolve performed, for replay on another layer (IndexShare prefetch).
+
+    ``host_rows[i, :counts[i]]`` were copied into ``device_rows[i, :counts[i]]`` for request i,
+    in top-k order. Rows are layer independent (host row and hot-buffer device row of the
+    request). Only rows ``i < num_real_reqs`` are written.
+    """
+
+    host_rows: torch.Tensor  # int64 [max_reqs, top_k]
+    device_rows: torch.Tensor  # int32 [max_reqs, top_k]
+    counts: torch.Tensor  # int32 [max_reqs]
+
+
+def resolve_reference(
+    *,
+    top_k_positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    hot_locs: torch.Tensor,
+    slot_tokens: torch.Tensor,
+    lru: torch.Tensor,
+    host_locs: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    out: torch.Tensor,
+    num_real_reqs: Union[int, torch.Tensor],
+    device_buffer_size: int,
+    skip_io: bool = False,
+    plan: Optional[MissPlan] = None,
+    counters: Optional[torch.Tensor] = None,
+) -> ResolveStats:
+    """Resolve one layer for a batch (see module docstring).
+
+    Args:
+        top_k_positions: int [num_reqs, top_k] logical positions, -1 = padding.
+        seq_lens: int [num_reqs] lengths including the newest token.
+        req_pool_indices: int [num_reqs] rows of the per-request tables.
+        hot_locs: int [max_reqs, >= B + 1] device row of each hot-buffer slot.
+        slot_tokens: int32 [max_reqs, B] this layer's position held by each slot (-1 = none).
+            Updated in place.
+        lru: int16 [max_reqs, B] this layer's slots, least recently used first. Updated in place.
+        host_locs: int64 [max_reqs, max_context] host row of each position.
+        host_kv: [host_rows, ...] this layer's host KV.
+        device_kv: [device_rows, ...] this layer's device KV; miss rows are written.
+        out: int32 [>= num_reqs, top_k] receives device rows; rows >= num_real_reqs untouched.
+        num_real_reqs: rows of the batch that are real (CUDA-graph padding follows them); an int
+            or an int32 [1] tensor.
+        device_buffer_size: B.
+        skip_io: plan and update tables but copy no bytes (timing oracle).
+        plan: when given, records each request's copies (host row, device row) in top-k order.
+        counters: when given, an int64 [2] tensor incremented by (selected, misses).
+    """
+    if isinstance(num_real_reqs, torch.Tensor):
+        num_real_reqs = int(num_real_reqs.reshape(-1)[0])
+    stats = ResolveStats()
+    B = device_buffer_size
+    top_k = top_k_positions.shape[1]
+    row_bytes = device_kv[0].numel() * device_kv.element_size()
+    for i in range(num_real_reqs):
+        r = int(req_pool_indices[i])
+        L = int(seq_lens[i])
+        positions = top_k_positions[i].tolist()
+        result = [-1] * top_k
+        if plan is not None:
+            plan.counts[i] = 0
+        if L <= B:
+            for j, p in enumerate(positions):
+                if p >= 0:
+                    result[j] = int(hot_locs[r, p])
+            out[i].copy_(torch.tensor(result, dtype=out.dtype))
+            continue
+
+        table = slot_tokens[r].tolist()
+        slot_of = {tok: s for s, tok in enumerate(table) if tok >= 0}
+        order = lru[r].tolist()
+        hit_slots: set[int] = set()
+        miss_js: list[int] = []
+        for j, p in enumerate(positions):
+            if p < 0:
+                continue
+            if p == L - 1:
+                result[j] = int(hot_locs[r, B])
+                continue
+            stats.selected += 1
+            s = slot_of.get(p)
+            if s is not None:
+                hit_slots.add(s)
+                result[j] = int(hot_locs[r, s])
+            else:
+                miss_js.append(j)
+
+        evictable = [s for s in order if s not in hit_slots]
+        hits_in_order = [s for s in order if s in hit_slots]
+        assert len(miss_js) <= len(evictable), "more misses than evictable slots"
+        victims = evictable[: len(miss_js)]
+        for n, (j, s) in enumerate(zip(miss_js, victims)):
+            p = positions[j]
+            host_row = int(host_locs[r, p])
+            device_row = int(hot_locs[r, s])
+            if not skip_io:
+                device_kv[device_row].copy_(host_kv[host_row])
+            slot_tokens[r, s] = p
+            result[j] = device_row
+            if plan is not None:
+                plan.host_rows[i, n] = host_row
+                plan.device_rows[i, n] = device_row
+        if plan is not None:
+            plan.counts[i] = len(miss_js)
+        stats.misses += len(miss_js)
+        if not skip_io:
+            stats.copied_bytes += len(miss_js) * row_bytes
+        new_order = evictable[len(miss_js) :] + victims + hits_in_order
+        lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))
+        out[i].copy_(torch.tensor(result, dtype=out.dtype))
+    if counters is not None:
+        counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype,
+                                 device=counters.device)
+    return stats
+
+
+def replay_plan_reference(
+    *, plan: MissPlan, num_real_reqs: int, host_kv: torch.Tensor, device_kv: torch.Tensor
+) -> int:
+    """Copy-only replay of a miss plan on another layer's buffers. Returns bytes copied."""
+    copied = 0
+    for i in range(num_real_reqs):
+        n = int(plan.counts[i])
+        if n == 0:
+            continue
+        src = plan.host_rows[i, :n].to(host_kv.device)
+        dst = plan.device_rows[i, :n].to(device_kv.device)
+        device_kv[dst] = host_kv[src].to(device_kv.device)
+        copied += n * device_kv[0].numel() * device_kv.element_size()
+    return copied
