@@ -34,15 +34,17 @@ def version_problem(version: str) -> Optional[str]:
 
 
 def function_seams() -> list[ModuleType]:
-    """Seams that replace functions (no class of ours needed)."""
-    from sglang_hisparse.patches import config_parser, validation
+    """Seams that hook functions or methods (no class replacement)."""
+    from sglang_hisparse.patches import config_parser, decode_memory_check, validation
 
-    return [validation, config_parser]
+    return [validation, config_parser, decode_memory_check]
 
 
 def class_seams() -> list[ModuleType]:
     """Seams that replace an upstream class with ours; each has ROLE and IMPLEMENTATION."""
-    return []
+    from sglang_hisparse.patches import allocator, coordinator, device_pool
+
+    return [device_pool, allocator, coordinator]
 
 
 def register(

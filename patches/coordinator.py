@@ -1,0 +1,25 @@
+"""Seam: SGLang builds our coordinator wherever it builds its HiSparse coordinator.
+
+Upstream target: ``sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator`` (REPLACE,
+class; the registry also rebinds ``from ... import HiSparseCoordinator`` copies, e.g. in the
+scheduler). Checked against: SGLang 0.5.17 (``ModelRunner.maybe_init_hisparse_coordinator``
+constructs it with keyword arguments; the scheduler, batch processor, schedule batch, DSA
+backend, CUDA-graph runner and PD decode path call its 0.5.17 protocol).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_hisparse.coordinator import HiSparseCoordinator
+
+TARGET = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
+CHECKED_AGAINST = "0.5.17"
+ROLE = "coordinator"
+IMPLEMENTATION = HiSparseCoordinator
+
+
+def register(registry: Any) -> None:
+    from sglang.srt.plugins.hook_registry import HookType
+
+    registry.register(TARGET, IMPLEMENTATION, HookType.REPLACE)

@@ -1,0 +1,266 @@
+"""Dual address space allocator: logical ids for the scheduler, device rows for the GPU.
+
+* Logical space: ``device_size x host_to_device_ratio`` ids. They are what ``req_to_token``
+  stores and what the scheduler's capacity accounting counts; every logical id of a decoding
+  request has a host slot (owned by the host pool, allocated by the coordinator).
+* Device space: ``device_size`` rows of the device KV pool. A request holds device rows for its
+  prefill (until staging completes) and then only its hot buffer.
+* ``logical_to_device``: logical id -> device row, 0 = not on device. Written at prefill
+  (``alloc_extend``), cleared when a request's rows move into its hot buffer, and pointed at the
+  reserved newest slot for the token being decoded. The last entry is -1 so that translating a
+  last_loc of -1 gives -1.
+
+Ownership: this allocator owns both free lists, the mapping, the growth reservation and the
+``hot_owned`` mask (device rows that belong to some hot buffer; ``free`` never releases those,
+so a logical free cannot double-free a hot-buffer row). Hot-buffer tables belong to the
+coordinator, host slots to the host pool.
+
+Admission (``available_size``) counts the logical space, the host pool (every logical id will
+need a host slot) and the device space (rows for the prefill and, per request, a full hot buffer
+of ``hot_buffer_slots``; rows promised to short requests' growth are not available). A request
+that does not fit waits in SGLang's queue; it never fails at runtime. A decode step needs no
+device rows, so ``decode_available_size`` omits the device term.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+from sglang_hisparse.paging import PageAllocator
+
+logger = logging.getLogger(__name__)
+
+
+class HiSparseAllocator(BaseTokenToKVPoolAllocator):
+    """Replaces SGLang's ``HiSparseTokenToKVPoolAllocator`` (same constructor)."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache,
+        need_sort: bool,
+        host_to_device_ratio: int = 2,
+        debug: bool = False,
+    ):
+        if size % page_size:
+            raise ValueError(f"device pool size {size} is not a multiple of page size {page_size}")
+        self.device_size = size
+        self.logical_size = size * host_to_device_ratio
+        self.host_to_device_ratio = host_to_device_ratio
+        super().__init__(self.logical_size, page_size, dtype, device, kvcache, need_sort)
+        self.compress_ratio = 1  # SGLang reads this off HiSparse allocators
+        self.logical = PageAllocator(self.logical_size // page_size, page_size, device, debug)
+        self.physical = PageAllocator(size // page_size, page_size, device, debug)
+        self.logical_to_device = torch.zeros(self.logical_size + page_size + 1, dtype=torch.int64, device=device)
+        self.logical_to_device[-1] = -1
+        self.hot_owned = torch.zeros(size + page_size, dtype=torch.bool, device=device)
+        self.hot_buffer_slots = 0
+        self.device_reserved = 0
+        self.host_capacity: Optional[int] = None
+        self._limited_by: Optional[str] = None
+        kvcache.attach_mapping(self.logical_to_device)
+
+    # --- configuration by the coordinator ----------------------------------------------------
+    def configure(self, hot_buffer_slots: int, host_capacity_tokens: int) -> None:
+        """Set the hot-buffer size every decoding request holds and the host pool's capacity."""
+        self.hot_buffer_slots = hot_buffer_slots
+        self.host_capacity = host_capacity_tokens
+
+    # --- SGLang's allocator protocol ---------------------------------------------------------
+    @property
+    def size_full(self) -> int:
+        return self.logical_size
+
+    @property
+    def hisparse_attn_allocator(self) -> PageAllocator:
+        """The device-row allocator (SGLang's PD decode path reads ``available_size()`` of it)."""
+        return self.physical
+
+    def debug_print(self) -> str:
+        return (
+            f"#logical free: {self.logical.available_tokens()}/{self.logical_size}, "
+            f"#device free: {self.physical.available_tokens()}/{self.device_size} "
+            f"(reserved for growth {self.device_reserved}), host capacity {self.host_capacity}"
+        )
+
+    def logical_used(self) -> int:
+        return self.logical_size - self.logical.available_tokens()
+
+    def decode_available_size(self) -> int:
+        """Logical ids that can still be handed out without running out of host slots."""
+        logical_free = self.logical.available_tokens()
+        host_room = logical_free if self.host_capacity is None else self.host_capacity - self.logical_used()
+        return max(0, min(logical_free, host_room))
+
+    def device_admission_room(self) -> int:
+        """Device rows a new request may take for its prefill, keeping a full hot buffer free."""
+        return self.physical.available_tokens() - self.device_reserved - self.hot_buffer_slots
+
+    def available_size(self) -> int:
+        logical_free = self.logical.available_tokens()
+        decode_room = self.decode_available_size()
+        device_room = self.device_admission_room()
+        room = max(0, min(decode_room, device_room))
+        limited_by = None
+        if room < logical_free:
+            limited_by = "host pool" if decode_room <= device_room else "device pool (hot buffers)"
+        if limited_by != self._limited_by:
+            if limited_by is not None:
+                logger.info(
+                    "sglang-hisparse: admission limited by the %s: %d tokens admissible (%s)",
+                    limited_by, room, self.debug_print(),
+                )
+            self._limited_by = limited_by
+        return room
+
+    def clear(self) -> None:
+        self.logical.clear()
+        self.physical.clear()
+        self.logical_to_device[:-1].zero_()
+        self.hot_owned.zero_()
+        self.device_reserved = 0
+        self.is_not_in_free_group = True
+        self.free_group = []
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """Logical ids with device rows for ``need_size`` tokens (whole pages)."""
+        if need_size > self.logical.available_tokens() or need_size > self.physical.available_tokens() - self.device_reserved:
+            return None
+        logical = self.logical.alloc_tokens(need_size)
+        rows = self.physical.alloc_tokens(need_size)
+        self.logical_to_device[logical] = rows
+        return logical
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        """Prefill: logical ids plus device rows (same in-page offsets), mapped one to one."""
+        pages = self.logical.pages_needed(prefix_lens_cpu.tolist(), seq_lens_cpu.tolist())
+        if pages > self.logical.available_pages():
+            return None
+        if pages * self.page_size > self.physical.available_tokens() - self.device_reserved:
+            return None
+        logical = self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
+        rows = self.physical.extend(prefix_lens_cpu, seq_lens_cpu, self.logical_to_device[last_loc])
+        assert logical is not None and rows is not None
+        self.logical_to_device[logical] = rows
+        return logical
+
+    def alloc_logical_only(
+        self,
+        prefix_lens: torch.Tensor,
+        prefix_lens_cpu: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        """Logical ids only (PD decode: the KV arrives directly in host memory)."""
+        return self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
+
+    def alloc_decode(
+        self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """One logical id per request; the coordinator maps it to the newest slot."""
+        return self.logical.decode(seq_lens_cpu, last_loc)
+
+    def free(self, free_index: torch.Tensor) -> None:
+        """Release logical ids, and the device rows still mapped to them that no hot buffer owns."""
+        if free_index.numel() == 0:
+            return
+        if not self.is_not_in_free_group:
+            self.free_group.append(free_index)
+            return
+        rows = self.logical_to_device[free_index]
+        rows = rows[rows > 0]
+        rows = rows[~self.hot_owned[rows]]
+        self.physical.free_tokens(rows)
+        self.logical_to_device[free_index] = 0
+        self.logical.free_tokens(free_index)
+
+    def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
+        return last_locs
+
+    # --- hot buffers (called by the coordinator) ---------------------------------------------
+    def device_rows_of(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        return self.logical_to_device[logical_ids]
+
+    def take_hot_buffer(self, logical_ids: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
+        """Turn a request's device rows into its hot buffer.
+
+        ``logical_ids`` are the request's ids for positions ``0..n-1`` (page aligned from 0).
+        The device pages of its first ``keep_tokens`` positions (a multiple of the page size)
+        become hot-buffer rows 0..keep_tokens-1; pages not on device (PD direct admission) are
+        allocated; its other device pages are freed; the mapping of ``logical_ids`` is cleared;
+        ``hot_buffer_slots - keep_tokens`` rows are reserved for growth.
+
+        Returns the kept rows (int64 [keep_tokens]) or None, changing nothing, when the device
+        space for the fresh pages plus the growth reservation is not free.
+        """
+        p = self.page_size
+        assert keep_tokens % p == 0 and 0 < keep_tokens <= self.hot_buffer_slots
+        page_starts = self.logical_to_device[logical_ids][::p]
+        assert page_starts.numel() * p >= keep_tokens, "fewer positions than the kept rows"
+        kept = page_starts[: keep_tokens // p]
+        unmapped = kept <= 0
+        missing = int(unmapped.sum())
+        growth = self.hot_buffer_slots - keep_tokens
+        if missing * p + growth > self.physical.available_tokens() - self.device_reserved:
+            return None
+        kept_pages = kept // p
+        if missing:
+            kept_pages[unmapped] = self.physical.alloc_pages(missing)
+        dropped = page_starts[keep_tokens // p :]
+        self.physical.free_pages_(dropped[dropped > 0] // p)
+        self.logical_to_device[logical_ids] = 0
+        hot_rows = self.physical.page_rows(kept_pages)
+        self.hot_owned[hot_rows] = True
+        self.device_reserved += growth
+        return hot_rows
+
+    def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
+        """Rows for a short request's growth, from its reservation (never fails)."""
+        assert n_tokens <= self.device_reserved, "growth beyond the reservation"
+        rows = self.physical.alloc_tokens(n_tokens)
+        assert rows is not None, "reserved device rows were not free"
+        self.device_reserved -= n_tokens
+        self.hot_owned[rows] = True
+        return rows
+
+    def release_hot_buffer(self, rows: torch.Tensor, unused_reservation: int) -> None:
+        """Free a hot buffer's rows and the part of its growth reservation it never used.
+
+        The caller first unmaps (or frees) the request's logical ids: a mapping left pointing at
+        a released row would let a later ``free`` release it a second time.
+        """
+        self.hot_owned[rows] = False
+        self.physical.free_tokens(rows)
+        self.device_reserved -= unused_reservation
+        assert self.device_reserved >= 0
+
+    def map_logical(self, logical_ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Point logical ids at device rows (the token being decoded -> its hot-buffer row)."""
+        self.logical_to_device[logical_ids] = rows.to(torch.int64)
+
+    def unmap_logical(self, logical_ids: torch.Tensor) -> None:
+        self.logical_to_device[logical_ids] = 0
+
+    def free_prefill_rows(self, logical_ids: torch.Tensor) -> None:
+        """Free the device rows of a request still in staging (abort) and clear its mapping."""
+        rows = self.logical_to_device[logical_ids]
+        rows = rows[rows > 0]
+        self.physical.free_tokens(rows[~self.hot_owned[rows]])
+        self.logical_to_device[logical_ids] = 0

@@ -1,0 +1,105 @@
+"""DSA device KV pool whose KV rows are addressed through the logical->device mapping.
+
+SGLang hands the pool logical ids (what ``req_to_token`` stores). KV writes and reads translate
+them to device rows with the allocator's mapping; the indexer-key buffer is indexed by logical
+id directly and sized for the whole logical space, so indexer state never leaves the GPU.
+
+Subclasses SGLang's ``DSATokenToKVPool`` because SGLang checks pools with ``isinstance``
+(DSA/MLA code paths, PD transfer). Owns: the device KV buffers (rows) and the indexer buffers.
+Reads, never writes: the mapping (owned by the allocator).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+
+class HiSparseDevicePool(DSATokenToKVPool):
+    """Replaces SGLang's ``HiSparseDSATokenToKVPool`` (same constructor)."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        kv_lora_rank: int,
+        dtype: torch.dtype,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str,
+        index_head_dim: int,
+        enable_memory_saver: bool,
+        kv_cache_dim: int,
+        start_layer: Optional[int] = None,
+        end_layer: Optional[int] = None,
+        host_to_device_ratio: int = 2,
+    ):
+        super().__init__(
+            size=size,
+            page_size=page_size,
+            kv_lora_rank=kv_lora_rank,
+            dtype=dtype,
+            qk_rope_head_dim=qk_rope_head_dim,
+            layer_num=layer_num,
+            device=device,
+            index_head_dim=index_head_dim,
+            enable_memory_saver=enable_memory_saver,
+            kv_cache_dim=kv_cache_dim,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            index_buf_size=size * host_to_device_ratio,
+        )
+        self.logical_to_device: Optional[torch.Tensor] = None
+        self.row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
+
+    def attach_mapping(self, logical_to_device: torch.Tensor) -> None:
+        """Called once by the allocator that owns the mapping."""
+        self.logical_to_device = logical_to_device
+
+    def translate_loc_to_hisparse_device(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        """Device rows of logical ids (SGLang's DSA backend translates prefill page tables)."""
+        return self.logical_to_device[logical_ids]
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
+        return super().set_kv_buffer(layer, self.logical_to_device[loc], cache_k, cache_v, *args, **kwargs)
+
+    def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope, *args, **kwargs):
+        rows = self.logical_to_device[loc]
+        if self.device_kind != "cuda":
+            return self._write_rows_torch(layer.layer_id, rows, cache_k_nope, cache_k_rope)
+        return super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope, *args, **kwargs)
+
+    def get_mla_kv_buffer(self, layer, loc, dst_dtype=None, *args, **kwargs):
+        rows = self.logical_to_device[loc]
+        if self.device_kind != "cuda":
+            kv = self.kv_buffer[layer.layer_id - self.start_layer][rows].view(self.dtype)
+            dst_dtype = dst_dtype or self.dtype
+            return (
+                kv[..., : self.kv_lora_rank].to(dst_dtype),
+                kv[..., self.kv_lora_rank : self.kv_lora_rank + self.qk_rope_head_dim].to(dst_dtype),
+            )
+        return super().get_mla_kv_buffer(layer, rows, dst_dtype, *args, **kwargs)
+
+    @property
+    def device_kind(self) -> str:
+        return torch.device(self.device).type
+
+    def _write_rows_torch(self, layer_id, rows, cache_k_nope, cache_k_rope) -> None:
+        """Torch write of MLA rows (CPU path; SGLang's writer is a Triton kernel)."""
+        if self.store_dtype != self.dtype or self.kv_cache_dim != self.kv_lora_rank + self.qk_rope_head_dim:
+            raise NotImplementedError(
+                "sglang-hisparse: the torch KV write path supports unquantized bf16/fp16/fp32 KV only"
+            )
+        row = torch.cat([cache_k_nope.to(self.dtype), cache_k_rope.to(self.dtype)], dim=-1)
+        self.kv_buffer[layer_id - self.start_layer][rows] = row.view(-1, 1, self.kv_cache_dim)
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise NotImplementedError("sglang-hisparse: the HiSparse device pool has no CPU copy path")
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        raise NotImplementedError("sglang-hisparse: the HiSparse device pool has no CPU copy path")
+
+    def move_kv_cache(self, tgt_loc, src_loc):
+        raise NotImplementedError("sglang-hisparse: KV rows of the HiSparse device pool are never moved")

@@ -1,0 +1,187 @@
+"""A CPU rig of real SGLang 0.5.17 objects wired to our data plane, driven like the scheduler.
+
+The rig plays SGLang's part of the protocol: prefill allocation and KV writes, staging admission,
+collecting ready requests, per-step logical allocation + ``map_last_loc_to_buffer``, the KV
+write of the new token, per-layer ``swap_in_selected_pages``, and finish/retract/abort followed
+by ``release_kv_cache``-style frees. Every KV row written is a deterministic function of
+(request, layer, position), so any device row can be checked against "the true KV".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+from sglang_hisparse.allocator import HiSparseAllocator
+from sglang_hisparse.config import HiSparseConfig
+from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.device_pool import HiSparseDevicePool
+
+PAGE = 64
+KV_LORA = 8
+ROPE = 4
+DIM = KV_LORA + ROPE
+
+
+def true_row(uid: int, layer: int, position: int) -> torch.Tensor:
+    """The KV row of a request's position in a layer (exact in float32)."""
+    base = float(uid * 100_000 + position * 10 + layer)
+    return torch.full((DIM,), base) + torch.arange(DIM) * 0.25
+
+
+@dataclass
+class Request:
+    """The attributes of SGLang's ``Req`` that the coordinator reads."""
+
+    uid: int
+    prompt_len: int
+    rid: str = ""
+    req_pool_idx: Optional[int] = None
+    hisparse_staging: bool = False
+    kv: Optional[SimpleNamespace] = None
+    extend_range: Optional[SimpleNamespace] = None
+    seq_len: int = 0  # tokens with KV written (positions 0..seq_len-1)
+    state: str = "new"  # new -> staging -> decoding -> gone
+    last_selection: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.rid = f"req-{self.uid}"
+
+
+class Rig:
+    def __init__(
+        self,
+        group,
+        *,
+        device_rows: int = PAGE * 24,
+        device_buffer_size: int = 128,
+        top_k: int = 32,
+        ratio: int = 2,
+        layers: int = 2,
+        max_reqs: int = 12,
+        max_context: int = 1024,
+        host_ratio: Optional[float] = None,
+    ):
+        self.layers = layers
+        self.top_k = top_k
+        self.B = device_buffer_size
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, "cpu", False)
+        self.pool = HiSparseDevicePool(
+            device_rows, page_size=PAGE, kv_lora_rank=KV_LORA, dtype=torch.float32,
+            qk_rope_head_dim=ROPE, layer_num=layers, device="cpu", index_head_dim=128,
+            enable_memory_saver=False, kv_cache_dim=DIM, host_to_device_ratio=ratio,
+        )
+        self.allocator = HiSparseAllocator(
+            device_rows, PAGE, torch.float32, "cpu", self.pool, need_sort=False,
+            host_to_device_ratio=ratio, debug=True,
+        )
+        self.config = HiSparseConfig(
+            top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
+            swap_in_block_size=256, resolver="reference",
+        )
+        self.coord = HiSparseCoordinator(
+            self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,
+            ratio, 256, config=self.config, pin_memory=False, host_to_device_ratio_override=host_ratio,
+        )
+        self.initial_counts = self.counts()
+
+    def counts(self) -> dict:
+        c = self.coord.free_counts()
+        c["req_slots"] = self.req_to_token_pool.available_size()
+        return c
+
+    # --- prefill -----------------------------------------------------------------------------
+    def can_admit(self, n: int) -> bool:
+        """SGLang's admission test, reduced: the prompt plus a page must fit."""
+        return n + PAGE <= self.allocator.available_size() and self.req_to_token_pool.available_size() > 0
+
+    def prefill(self, req: Request) -> bool:
+        if not self.can_admit(req.prompt_len):
+            return False
+        req.req_pool_idx = self.req_to_token_pool.free_slots.pop(0)
+        n = req.prompt_len
+        logical = self.allocator.alloc_extend(
+            torch.tensor([0]), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n
+        )
+        assert logical is not None, "admission said yes, allocation said no"
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), logical.to(torch.int32))
+        rows = self.allocator.device_rows_of(logical)
+        assert bool((rows > 0).all())
+        for layer in range(self.layers):
+            self.pool.kv_buffer[layer][rows] = torch.stack(
+                [true_row(req.uid, layer, p) for p in range(n)]
+            ).view(n, 1, DIM)
+        req.kv = SimpleNamespace(kv_allocated_len=n)
+        req.extend_range = SimpleNamespace(start=0, end=n)
+        req.seq_len = n
+        return True
+
+    def stage(self, req: Request) -> None:
+        self.coord.admit_request_into_staging(req)
+        req.state = "staging"
+
+    def collect(self) -> list:
+        ready = self.coord.collect_ready_reqs()
+        for req in ready:
+            req.state = "decoding"
+        return ready
+
+    # --- decode ------------------------------------------------------------------------------
+    def decode_step(self, reqs: list) -> bool:
+        """Allocate and write the next token of each request (positions seq_len). Returns
+        False (nothing changed) when the decode check says there is no room."""
+        if not reqs:
+            return True
+        if self.allocator.decode_available_size() < len(reqs) * PAGE:
+            return False
+        idx = torch.tensor([r.req_pool_idx for r in reqs])
+        seq_lens = torch.tensor([r.seq_len + 1 for r in reqs])
+        last_loc = self.req_to_token_pool.req_to_token[idx, seq_lens - 2].to(torch.int64)
+        out_loc = self.allocator.alloc_decode(seq_lens, seq_lens, last_loc)
+        assert out_loc is not None
+        self.req_to_token_pool.write((idx, seq_lens - 1), out_loc.to(torch.int32))
+        for r in reqs:
+            r.kv.kv_allocated_len += 1
+            r.seq_len += 1
+        self.coord.map_last_loc_to_buffer(seq_lens, out_loc, idx, seq_lens, idx)
+        self.coord.wait_for_pending_backup()
+        for layer in range(self.layers):
+            rows = torch.stack([true_row(r.uid, layer, r.seq_len - 1) for r in reqs])
+            self.pool.set_mla_kv_buffer(
+                SimpleNamespace(layer_id=layer), out_loc,
+                rows[:, :KV_LORA].view(-1, 1, KV_LORA), rows[:, KV_LORA:].view(-1, 1, ROPE),
+            )
+        return True
+
+    def resolve_and_check(self, reqs: list, layer: int, selections: list, num_padded: int = 0) -> None:
+        """Run one layer's swap-in and check that every selected position's device row holds
+        that position's true KV. ``num_padded`` extra rows imitate CUDA-graph padding."""
+        top_k = self.top_k
+        padded = [sel + [-1] * (top_k - len(sel)) for sel in selections] + [[-1] * top_k] * num_padded
+        positions = torch.tensor(padded, dtype=torch.int32)
+        idx = torch.tensor([r.req_pool_idx for r in reqs] + [0] * num_padded)
+        seq_lens = torch.tensor([r.seq_len for r in reqs] + [1] * num_padded)
+        self.coord.num_real_reqs.fill_(len(reqs))
+        out = self.coord.swap_in_selected_pages(idx, seq_lens, positions, layer)
+        for i, (r, sel) in enumerate(zip(reqs, selections)):
+            for j, p in enumerate(sel):
+                row = int(out[i, j])
+                got = self.pool.kv_buffer[layer][row, 0]
+                want = true_row(r.uid, layer, p)
+                assert torch.equal(got, want), f"req {r.uid} layer {layer} pos {p}: row {row} holds {got[0].item()}"
+            assert out[i, len(sel):].eq(-1).all()
+
+    # --- leaving -----------------------------------------------------------------------------
+    def release(self, req: Request, *, retract: bool = False) -> None:
+        """Finish (or retract) a request the way SGLang does: coordinator, then KV, then slot."""
+        if req.state in ("staging", "decoding"):
+            (self.coord.retract_req if retract else self.coord.request_finished)(req)
+        n = req.kv.kv_allocated_len
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64))
+        self.req_to_token_pool.free_slots.append(req.req_pool_idx)
+        req.req_pool_idx = None
+        req.state = "gone"

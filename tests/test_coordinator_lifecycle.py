@@ -1,0 +1,180 @@
+"""Coordinator lifecycle on CPU with real SGLang objects: prefill -> staging -> ready -> decode
+-> finish, with aborts and retractions at every stage. After every swap-in, each selected
+position's device row holds that position's true KV; when all requests are gone, every pool is
+back to its initial free count."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rig import PAGE, Rig, Request
+
+
+def select(rng: random.Random, req: Request, top_k: int, overlap: float) -> list[int]:
+    """A realistic selection: some of last step's positions, fresh ones, often the newest."""
+    newest = req.seq_len - 1
+    keep = [p for p in req.last_selection if p < newest and rng.random() < overlap]
+    fresh = rng.sample(range(newest), k=min(newest, top_k))
+    chosen = list(dict.fromkeys(keep + fresh))[: top_k - 1]
+    if rng.random() < 0.8:
+        chosen.append(newest)
+    rng.shuffle(chosen)
+    req.last_selection = chosen
+    return chosen
+
+
+def run_to_decode(rig: Rig, reqs: list) -> None:
+    for r in reqs:
+        assert rig.prefill(r)
+        rig.stage(r)
+    ready = rig.collect()
+    assert ready == reqs
+
+
+def test_long_request_resolves_exactly_over_many_steps(gloo_world):
+    rig = Rig(gloo_world)
+    rng = random.Random(0)
+    req = Request(uid=1, prompt_len=300)
+    run_to_decode(rig, [req])
+    for _ in range(40):
+        assert rig.decode_step([req])
+        for layer in range(rig.layers):
+            rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.7)])
+    selected, misses = rig.coord.counter_values()
+    assert selected > 0 and 0 < misses < selected
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_short_request_grows_through_the_fast_path_into_the_long_path(gloo_world):
+    rig = Rig(gloo_world)
+    rng = random.Random(1)
+    req = Request(uid=2, prompt_len=20)  # keeps one page; grows page by page up to B + newest
+    run_to_decode(rig, [req])
+    assert rig.coord.hot_capacity[req.req_pool_idx] == PAGE
+    for step in range(rig.B + 30):
+        assert rig.decode_step([req])
+        layer = step % rig.layers
+        rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.5)])
+    assert rig.coord.hot_capacity[req.req_pool_idx] == rig.coord.padded_buffer_size
+    assert rig.allocator.device_reserved == 0
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_padded_rows_are_untouched_and_finish_is_idempotent(gloo_world):
+    rig = Rig(gloo_world)
+    rng = random.Random(2)
+    reqs = [Request(uid=3, prompt_len=200), Request(uid=4, prompt_len=70)]
+    run_to_decode(rig, reqs)
+    assert rig.decode_step(reqs)
+    buffer = rig.coord.top_k_device_locs_buffer
+    buffer[2:4].fill_(-12345)
+    rig.resolve_and_check(reqs, 0, [select(rng, r, rig.top_k, 0.5) for r in reqs], num_padded=2)
+    assert buffer[2:4].eq(-12345).all()
+    rig.coord.request_finished(reqs[0])
+    rig.coord.request_finished(reqs[0])  # again: nothing more to free
+    reqs[0].state = "gone-coordinator"
+    rig.release(reqs[0])
+    rig.release(reqs[1])
+    assert rig.counts() == rig.initial_counts
+
+
+def test_abort_in_staging_frees_prefill_rows_and_host_rows(gloo_world):
+    rig = Rig(gloo_world)
+    req = Request(uid=5, prompt_len=500)
+    assert rig.prefill(req)
+    rig.stage(req)
+    assert rig.coord.has_ongoing_staging()
+    rig.release(req, retract=True)  # retract of a staging request aborts its staging
+    assert not rig.coord.has_ongoing_staging()
+    assert rig.counts() == rig.initial_counts
+
+
+def test_requests_wait_in_staging_until_a_hot_buffer_fits(gloo_world):
+    """Device rows: 24 pages. Each decoding request holds 3 pages (B=128 + newest page)."""
+    rig = Rig(gloo_world, device_rows=PAGE * 10, max_reqs=8)
+    reqs = [Request(uid=10 + i, prompt_len=100) for i in range(4)]
+    admitted = [r for r in reqs if rig.prefill(r)]
+    assert len(admitted) < len(reqs), "admission keeps room for hot buffers"
+    for r in admitted:
+        rig.stage(r)
+    ready = rig.collect()
+    assert ready == admitted[: len(ready)] and ready
+    rig.release(ready[0])
+    for r in ready[1:]:
+        rig.release(r)
+    for r in admitted[len(ready):]:
+        rig.release(r, retract=True)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_host_pool_exhaustion_makes_admission_wait_not_crash(gloo_world, caplog):
+    """A host pool of half the logical space: admission stops when host rows would run out,
+    says so in the log, and resumes after a request leaves."""
+    rig = Rig(gloo_world, device_rows=PAGE * 24, ratio=2, host_ratio=0.5, max_reqs=12)
+    host_rows = rig.coord.mem_pool_host.capacity_tokens
+    assert host_rows < rig.allocator.logical_size
+    caplog.set_level("INFO")
+    live = []
+    uid = 100
+    while True:
+        req = Request(uid=uid, prompt_len=3 * PAGE)
+        uid += 1
+        if not rig.prefill(req):
+            break
+        rig.stage(req)
+        live.append(req)
+        if len(live) > 20:
+            pytest.fail("admission never stopped")
+    assert "admission limited by the host pool" in caplog.text
+    ready = rig.collect()
+    assert ready == live
+    # every admitted request can decode a while: host rows were counted at admission
+    for _ in range(PAGE):
+        if not rig.decode_step(live):
+            break
+    rig.release(live.pop(0))
+    assert rig.can_admit(3 * PAGE)
+    for r in live:
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0))
+def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, seed, overlap):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24)
+    rng = random.Random(seed)
+    waiting = [Request(uid=1000 + i, prompt_len=rng.choice([10, 64, 100, 129, 200, 350])) for i in range(10)]
+    live: list[Request] = []
+    for _ in range(60):
+        action = rng.random()
+        if waiting and action < 0.25:
+            req = waiting[0]
+            if rig.prefill(req):
+                waiting.pop(0)
+                live.append(req)
+                rig.stage(req)
+        elif action < 0.35:
+            rig.collect()
+        elif action < 0.45 and live:
+            victim = rng.choice(live)  # abort or retract at whatever stage it is in
+            live.remove(victim)
+            rig.release(victim, retract=rng.random() < 0.5)
+        else:
+            decoding = [r for r in live if r.state == "decoding"]
+            if decoding and rig.decode_step(decoding):
+                for layer in range(rig.layers):
+                    rig.resolve_and_check(decoding, layer, [select(rng, r, rig.top_k, overlap) for r in decoding])
+                for r in list(decoding):
+                    if r.seq_len > 420:
+                        live.remove(r)
+                        rig.release(r)
+    for r in live:
+        rig.release(r, retract=rng.random() < 0.5)
+    assert rig.counts() == rig.initial_counts
