@@ -120,6 +120,29 @@ class Rig:
         req.seq_len = n
         return True
 
+    def admit_direct(self, req: Request) -> bool:
+        """PD decode: logical ids only, KV written straight into host rows, then direct admission."""
+        n = req.prompt_len
+        if not self.can_admit(n):
+            return False
+        req.req_pool_idx = self.req_to_token_pool.free_slots.pop(0)
+        logical = self.allocator.alloc_logical_only(
+            torch.tensor([0]), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n
+        )
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), logical.to(torch.int32))
+        host = self.coord.mem_pool_host
+        host_rows = host.alloc_paged_token_slots(
+            self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, req.req_pool_idx, 0, n
+        )
+        for layer in range(self.layers):
+            host.kv_buffer[layer][host_rows] = torch.stack([true_row(req.uid, layer, p) for p in range(n)]).view(n, 1, DIM)
+        req.kv = SimpleNamespace(kv_allocated_len=n)
+        req.extend_range = SimpleNamespace(start=0, end=n)
+        req.seq_len = n
+        self.coord.admit_request_direct(req)
+        req.state = "decoding"
+        return True
+
     def stage(self, req: Request) -> None:
         self.coord.admit_request_into_staging(req)
         req.state = "staging"

@@ -84,6 +84,22 @@ def test_padded_rows_are_untouched_and_finish_is_idempotent(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
+@pytest.mark.parametrize("prompt_len", [90, 400])
+def test_pd_direct_admission_serves_from_host(gloo_world, prompt_len):
+    """PD decode: KV arrives in host rows; a short request is preloaded into its hot buffer, a
+    long one starts with an empty table and misses on first use."""
+    rig = Rig(gloo_world)
+    rng = random.Random(prompt_len)
+    req = Request(uid=7, prompt_len=prompt_len)
+    assert rig.admit_direct(req)
+    for _ in range(12):
+        assert rig.decode_step([req])
+        for layer in range(rig.layers):
+            rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.6)])
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
 def test_abort_in_staging_frees_prefill_rows_and_host_rows(gloo_world):
     rig = Rig(gloo_world)
     req = Request(uid=5, prompt_len=500)
