@@ -38,6 +38,7 @@ def read_settings(server_args: Any) -> ServerSettings:
         enable_mixed_chunk=bool(server_args.enable_mixed_chunk),
         speculative_algorithm=server_args.speculative_algorithm,
         pp_size=int(server_args.pp_size),
+        cpu_engine=str(server_args.device) == "cpu",
     )
 
 

@@ -56,6 +56,8 @@ class HiSparseConfig:
     ``reference`` (pure torch, any device) or ``cuda`` (fail if the kernel cannot run)."""
     skip_io: bool = False
     """Timing oracle: resolve and plan, but copy no KV bytes. Outputs are garbage."""
+    stats_log_interval: int = 0
+    """Log resolver statistics every N decode steps (0: never; each line synchronizes)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -188,7 +190,15 @@ def _parse_cached(
         swap_in_block_size=block,
         resolver=_require_choice(raw, "resolver", "auto", RESOLVER_CHOICES),
         skip_io=_require_bool(raw, "skip_io", False),
+        stats_log_interval=_stats_interval(raw),
     )
+
+
+def _stats_interval(raw: Mapping[str, Any]) -> int:
+    value = _require_int(raw, "stats_log_interval", 0)
+    if value < 0:
+        raise _fail("stats_log_interval", value, "must be an integer >= 0 (0 = off)")
+    return value
 
 
 def model_index_topk(model_config: Any) -> Optional[int]:

@@ -24,6 +24,7 @@ events. The allocator owns ids, rows and the mapping; the host pool owns host ro
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional
 
@@ -34,6 +35,12 @@ from sglang_hisparse.host_pool import HiSparseHostPool
 from sglang_hisparse.resolver.dispatch import make_resolver
 
 logger = logging.getLogger(__name__)
+
+
+FAULT_ENV = "SGLANG_HISPARSE_TEST_FAULT"
+"""Test-only fault switch: ``wrong_row`` makes every resolve return one wrong device row per
+request (the first selection points at the newest token's row), so end-to-end tests can prove
+they detect a broken resolver."""
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -122,8 +129,19 @@ class HiSparseCoordinator:
         self._skip_first_backup = [False] * max_reqs
         self._waiting_for_device = False
 
+        self._fault = os.environ.get(FAULT_ENV, "")
+        if self._fault not in ("", "wrong_row"):
+            raise ValueError(f"{FAULT_ENV}={self._fault!r}: allowed values are wrong_row or unset")
+        if self._fault:
+            logger.warning("sglang-hisparse: test fault %s is ON: outputs will be wrong", self._fault)
+        self._decode_steps = 0
+        self._last_counters = (0, 0)
+        self._initial_free = None
+        self._last_idle_report: Optional[tuple] = None
+
         self._resolve = make_resolver(self.config, dev, max_reqs)
         self._resolve.warmup(self.device_pool.row_bytes, B, top_k)
+        self._initial_free = self.free_counts()
         logger.info(
             "sglang-hisparse coordinator: B=%d (+ newest, %d rows per request), top_k=%d, "
             "layers=%d, host rows=%d, resolver=%s",
@@ -257,6 +275,7 @@ class HiSparseCoordinator:
         token to host, grow short hot buffers, and map the new token to its hot-buffer row."""
         lens = seq_lens_cpu.tolist()
         idxs = req_pool_indices_cpu.tolist()
+        self._log_step_stats(len(lens))
         self._backup_previous_tokens(lens, idxs)
         self._grow_short_buffers(lens, idxs)
         newest_slot = (seq_lens.to(torch.int64) - 1).clamp(max=self.device_buffer_size)
@@ -345,6 +364,10 @@ class HiSparseCoordinator:
             skip_io=self.config.skip_io,
             counters=self.counters,
         )
+        if self._fault == "wrong_row":
+            newest_slot = (seq_lens.to(torch.int64) - 1).clamp(max=self.device_buffer_size)
+            newest_rows = self.hot_locs[req_pool_indices, newest_slot]
+            out[:, 0] = torch.where(out[:, 0] >= 0, newest_rows, out[:, 0])
         return out
 
     # --- leaving -----------------------------------------------------------------------------
@@ -397,6 +420,42 @@ class HiSparseCoordinator:
         self._skip_first_backup[idx] = False
 
     # --- observability -----------------------------------------------------------------------
+    def _log_step_stats(self, batch_size: int) -> None:
+        """Every ``stats_log_interval`` decode steps, log what the resolver did since the last
+        line (reads device counters: a synchronization, so it is off by default)."""
+        self._decode_steps += 1
+        interval = self.config.stats_log_interval
+        if not interval or self._decode_steps % interval:
+            return
+        selected, misses = self.counter_values()
+        d_sel, d_miss = selected - self._last_counters[0], misses - self._last_counters[1]
+        self._last_counters = (selected, misses)
+        logger.info(
+            "sglang-hisparse step %d: batch %d, selected rows %d, hits %d, misses %d "
+            "(hit rate %.1f%%), bytes copied %d",
+            self._decode_steps, batch_size, d_sel, d_sel - d_miss, d_miss,
+            100.0 * (d_sel - d_miss) / d_sel if d_sel else 100.0, d_miss * self.device_pool.row_bytes,
+        )
+
+    def report_idle(self) -> Optional[str]:
+        """Once per busy -> idle transition: a log line with every pool's free count against its
+        initial value (``leak=no`` when all equal) and the lifetime resolver counters."""
+        counts = self.free_counts()
+        selected, misses = self.counter_values()
+        key = (tuple(counts.values()), selected, misses)
+        if key == self._last_idle_report:
+            return None
+        self._last_idle_report = key
+        leak = counts != self._initial_free
+        parts = " ".join(f"{k}={v}/{self._initial_free[k]}" for k, v in counts.items())
+        line = (
+            f"sglang-hisparse idle: {parts} leak={'yes' if leak else 'no'} "
+            f"selected={selected} misses={misses} "
+            f"miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self.device_pool.row_bytes}"
+        )
+        (logger.error if leak else logger.info)(line)
+        return line
+
     def counter_values(self) -> tuple[int, int]:
         """(selected, misses) over the server's life. Synchronizes with the device."""
         selected, misses = self.counters.tolist()

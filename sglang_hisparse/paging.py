@@ -103,30 +103,44 @@ class PageAllocator:
                 prefix is empty), on this allocator's device.
         Returns None (nothing taken) when too few pages are free.
         """
-        pre = prefix_lens.tolist()
-        seq = seq_lens.tolist()
-        p = self.page_size
-        new_pages = torch.tensor([-(-s // p) - (-(-q // p)) for q, s in zip(pre, seq)], dtype=torch.int64)
-        pages = self.alloc_pages(int(new_pages.sum()))
+        pages = self.alloc_pages(self.pages_needed(prefix_lens.tolist(), seq_lens.tolist()))
         if pages is None:
             return None
-        # One entry per new token, computed on the CPU from the (CPU) lengths.
-        counts = torch.tensor([s - q for q, s in zip(pre, seq)], dtype=torch.int64)
-        req = torch.repeat_interleave(torch.arange(len(pre)), counts)
-        start = torch.tensor(pre, dtype=torch.int64)[req]
-        pos = start + torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        aligned_start = (start + p - 1) // p * p
-        in_partial = pos < aligned_start
-        first_page = (torch.cumsum(new_pages, 0) - new_pages)[req]
-        page_index = (first_page + (pos - aligned_start).clamp(min=0) // p).clamp(max=max(pages.numel() - 1, 0))
-
-        dev = self.device
-        from_partial = last_loc.to(dev, torch.int64)[req.to(dev)] + 1 + (pos - start).to(dev)
-        if pages.numel() == 0:
-            return from_partial
-        from_new = pages[page_index.to(dev)] * p + (pos % p).to(dev)
-        return torch.where(in_partial.to(dev), from_partial, from_new)
+        return paged_token_ids(pages, self.page_size, prefix_lens, seq_lens, last_loc)
 
     def decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
         """One token id per request for its position ``seq_len - 1`` (``seq_lens`` on CPU)."""
         return self.extend(seq_lens - 1, seq_lens, last_loc)
+
+
+def paged_token_ids(
+    new_pages: torch.Tensor,
+    page_size: int,
+    prefix_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    last_loc: torch.Tensor,
+) -> torch.Tensor:
+    """Token ids for positions ``prefix_len..seq_len-1`` of each request, concatenated.
+
+    Each request fills its partial last page first (``last_loc + 1, ...``), then takes its share
+    of ``new_pages`` in request order (``ceil(seq/p) - ceil(prefix/p)`` pages each). Lengths are
+    CPU tensors; ``new_pages`` and ``last_loc`` live on the output device. Pure function.
+    """
+    p = page_size
+    pre, seq = prefix_lens.tolist(), seq_lens.tolist()
+    pages_per_req = torch.tensor([-(-s // p) - (-(-q // p)) for q, s in zip(pre, seq)], dtype=torch.int64)
+    counts = torch.tensor([s - q for q, s in zip(pre, seq)], dtype=torch.int64)
+    req = torch.repeat_interleave(torch.arange(len(pre)), counts)
+    start = torch.tensor(pre, dtype=torch.int64)[req]
+    pos = start + torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    aligned_start = (start + p - 1) // p * p
+    in_partial = pos < aligned_start
+    first_page = (torch.cumsum(pages_per_req, 0) - pages_per_req)[req]
+    page_index = (first_page + (pos - aligned_start).clamp(min=0) // p).clamp(max=max(new_pages.numel() - 1, 0))
+
+    dev = new_pages.device
+    from_partial = last_loc.to(dev, torch.int64)[req.to(dev)] + 1 + (pos - start).to(dev)
+    if new_pages.numel() == 0:
+        return from_partial
+    from_new = new_pages[page_index.to(dev)] * p + (pos % p).to(dev)
+    return torch.where(in_partial.to(dev), from_partial, from_new)

@@ -35,9 +35,26 @@ def version_problem(version: str) -> Optional[str]:
 
 def function_seams() -> list[ModuleType]:
     """Seams that hook functions or methods (no class replacement)."""
-    from sglang_hisparse.patches import config_parser, decode_memory_check, validation
+    from sglang_hisparse.patches import config_parser, decode_memory_check, idle_report, validation
 
-    return [validation, config_parser, decode_memory_check]
+    seams = [validation, config_parser, decode_memory_check, idle_report]
+    if cpu_platform():
+        from sglang_hisparse.patches import (
+            cpu_capability_probe,
+            cpu_dsa_attention,
+            cpu_dsa_indexer,
+            cpu_paged_allocator,
+        )
+
+        seams += [cpu_capability_probe, cpu_paged_allocator, cpu_dsa_indexer, cpu_dsa_attention]
+    return seams
+
+
+def cpu_platform() -> bool:
+    """SGLang runs its CPU engine (no GPU): the torch-native DSA path is needed."""
+    from sglang.srt.utils import is_cpu
+
+    return bool(is_cpu())
 
 
 def class_seams() -> list[ModuleType]:

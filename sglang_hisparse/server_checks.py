@@ -34,6 +34,8 @@ class ServerSettings:
     enable_mixed_chunk: bool
     speculative_algorithm: Optional[str]
     pp_size: int
+    cpu_engine: bool = False
+    """SGLang's CPU engine: attention runs on our torch DSA path, whatever the DSA backend flags."""
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -60,7 +62,7 @@ def check_server_settings(s: ServerSettings) -> None:
         )
     allowed = CUDA_DSA_BACKENDS_BY_DTYPE[s.kv_cache_dtype]
     for label, backend in (("prefill", s.dsa_prefill_backend), ("decode", s.dsa_decode_backend)):
-        if backend is not None and backend not in allowed:
+        if not s.cpu_engine and backend is not None and backend not in allowed:
             raise HiSparseConfigError(
                 f"--enable-hisparse: invalid --dsa-{label}-backend={backend} with "
                 f"--kv-cache-dtype={s.kv_cache_dtype}: must be one of {', '.join(allowed)} "

@@ -23,6 +23,10 @@ GOOD = ServerSettings(
 )
 
 
+def test_the_cpu_engine_ignores_gpu_backend_flags():
+    check_server_settings(dataclasses.replace(GOOD, dsa_decode_backend="fa3", cpu_engine=True))
+
+
 def test_a_supported_server_passes():
     check_server_settings(GOOD)
     check_server_settings(dataclasses.replace(GOOD, kv_cache_dtype="fp8_e4m3",

@@ -1,0 +1,219 @@
+"""Torch-native DSA for SGLang's CPU engine: the indexer and sparse MLA attention.
+
+Upstream SGLang cannot run a DSA model without a GPU: its indexer has no torch path and every
+sparse-attention backend is a GPU kernel. This module is small on purpose and doubles as a
+readable statement of what the GPU path computes:
+
+* Indexer (per layer): index queries ``q[t, h]`` (from ``q_lora``), one index key ``k[s]`` per
+  token (from the hidden state, normed), both with RoPE on their first ``rope_head_dim`` dims,
+  and head gates ``w[t, h]``. The score of position ``s`` for token ``t`` is
+  ``sum_h w[t, h] * relu(q[t, h] . k[s])``; the token selects the ``index_topk`` best positions
+  among ``0..pos(t)``. (The GPU path also applies a Hadamard rotation to q and k before FP8
+  quantization; an orthonormal rotation of both leaves q . k unchanged, so it is omitted here.)
+  Keys are stored per logical id, for the whole logical space.
+* Sparse MLA attention: each query attends, with the usual absorbed-MLA math, to the latent
+  rows of its selected positions only. For decode with HiSparse, the rows come from the
+  coordinator's resolver (``swap_in_selected_pages``); without HiSparse, from ``req_to_token``.
+
+The results are the same whether or not HiSparse runs, as long as the resolver returns the right
+rows: that is what the CPU end-to-end test checks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+_QUERY_CHUNK = 256
+
+
+class IndexKeyStore:
+    """Float32 index keys per layer and logical id, owned per device pool (CPU path only)."""
+
+    _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def __init__(self, pool):
+        rows = getattr(pool, "index_buf_size", pool.size) + pool.page_size + 1
+        self.keys: dict[int, torch.Tensor] = {}
+        self.rows = rows
+
+    @classmethod
+    def of(cls, pool) -> "IndexKeyStore":
+        store = cls._stores.get(pool)
+        if store is None:
+            store = cls._stores[pool] = cls(pool)
+        return store
+
+    def layer(self, layer_id: int, dim: int) -> torch.Tensor:
+        buf = self.keys.get(layer_id)
+        if buf is None:
+            buf = self.keys[layer_id] = torch.zeros((self.rows, dim), dtype=torch.float32)
+        return buf
+
+
+def _request_layout(forward_batch) -> list[tuple[int, int, int, int]]:
+    """(first token in the batch, tokens, first position, seq_len) per request."""
+    seq_lens = forward_batch.seq_lens_cpu.tolist()
+    if forward_batch.forward_mode.is_decode_or_idle():
+        return [(i, 1, s - 1, s) for i, s in enumerate(seq_lens)]
+    layout, start = [], 0
+    for n, prefix, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu, seq_lens):
+        layout.append((start, int(n), int(prefix), int(s)))
+        start += int(n)
+    return layout
+
+
+def indexer_forward_native(indexer, x, q_lora, positions, forward_batch, layer_id, return_indices: bool = True):
+    """``Indexer.forward_native``: store this batch's index keys, return each token's top-k
+    positions (int32 [tokens, index_topk], -1 padding)."""
+    tokens = q_lora.shape[0]
+    query, _ = indexer.wq_b(q_lora)
+    query = query.view(tokens, indexer.n_heads, indexer.head_dim)
+    key, _ = indexer.wk(x)
+    key = indexer.k_norm(key)
+    r = indexer.rope_head_dim
+    # keys get a head axis of one so the rotary embedding broadcasts them like the queries
+    q_rope, k_rope = indexer.rotary_emb(positions, query[..., :r].contiguous(), key[:, None, :r].contiguous())
+    query = torch.cat([q_rope.view(tokens, indexer.n_heads, r), query[..., r:]], dim=-1).float()
+    key = torch.cat([k_rope.view(tokens, r), key[..., r:]], dim=-1).float()
+    gate = indexer.weights_proj.weight  # bf16 whatever the model dtype (as upstream)
+    weights = torch.nn.functional.linear(x.to(gate.dtype), gate).float() * indexer.n_heads**-0.5 * indexer.softmax_scale
+
+    from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
+
+    store = IndexKeyStore.of(get_token_to_kv_pool()).layer(layer_id, indexer.head_dim)
+    store[forward_batch.out_cache_loc.long()] = key
+    if not return_indices:
+        return None
+
+    req_to_token = get_req_to_token_pool().req_to_token
+    top_k = indexer.index_topk
+    out = torch.full((tokens, top_k), -1, dtype=torch.int32)
+    pos_all = positions.long()
+    for req_row, (first, count, _, seq_len) in enumerate(_request_layout(forward_batch)):
+        req = int(forward_batch.req_pool_indices[req_row])
+        keys = store[req_to_token[req, :seq_len].long()]  # [seq_len, D]
+        for c0 in range(first, first + count, _QUERY_CHUNK):
+            c1 = min(c0 + _QUERY_CHUNK, first + count)
+            out[c0:c1] = select_top_k(query[c0:c1], weights[c0:c1], keys, pos_all[c0:c1], top_k)
+    return out
+
+
+def select_top_k(
+    query: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """The DSA indexer's choice for a block of query tokens of one request.
+
+    Args:
+        query: [t, H, D] index queries; weights: [t, H] head gates; keys: [S, D] the request's
+            index keys for positions 0..S-1; positions: [t] each query token's position.
+    Returns int32 [t, top_k]: positions with the highest ``sum_h w * relu(q . k)`` among
+    ``0..position`` (causal), best first; -1 where fewer than ``top_k`` exist.
+    """
+    seq_len = keys.shape[0]
+    scores = (torch.einsum("thd,sd->ths", query, keys).relu() * weights[:, :, None]).sum(dim=1)
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > positions[:, None], float("-inf"))
+    out = torch.full((query.shape[0], top_k), -1, dtype=torch.int32)
+    k = min(top_k, seq_len)
+    values, idx = torch.topk(scores, k, dim=-1)
+    out[:, :k] = idx.to(torch.int32).masked_fill(values == float("-inf"), -1)
+    return out
+
+
+class TorchDSABackend(AttentionBackend):
+    """Sparse absorbed-MLA attention for DSA models on SGLang's CPU engine.
+
+    Reads and writes the KV pool through its public methods (so HiSparse's logical -> device
+    translation applies to writes), reads latent rows by device row, and asks the HiSparse
+    coordinator (when there is one) to resolve each decode layer's selection.
+    """
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.hisparse_coordinator = getattr(model_runner, "hisparse_coordinator", None)
+        self.forward_metadata = None
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        return None
+
+    def get_indexer_metadata(self, layer_id, forward_batch):
+        return None
+
+    def support_triton(self) -> bool:
+        return False
+
+    # --- rows ----------------------------------------------------------------------------
+    def _rows_of_logical(self, logical: torch.Tensor) -> torch.Tensor:
+        translate = getattr(self.token_to_kv_pool, "translate_loc_to_hisparse_device", None)
+        return logical if translate is None else translate(logical)
+
+    def _rows_of_positions(self, req: int, positions: torch.Tensor) -> torch.Tensor:
+        valid = positions >= 0
+        logical = self.req_to_token_pool.req_to_token[req, positions.clamp(min=0).long()].long()
+        return torch.where(valid, self._rows_of_logical(logical), torch.full_like(logical, -1))
+
+    def _attend(self, q: torch.Tensor, rows: torch.Tensor, kv: torch.Tensor, layer) -> torch.Tensor:
+        """q [t, H, D]; rows [t, k] device rows (-1 = none) -> [t, H, v_dim]."""
+        valid = rows >= 0
+        latent = kv[rows.clamp(min=0).long()].float().squeeze(-2)  # [t, k, D]
+        scores = torch.einsum("thd,tkd->thk", q.float(), latent) * layer.scaling
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("thk,tkd->thd", probs, latent[..., : layer.v_head_dim])
+
+    def _save(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
+        if save_kv_cache and k is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+
+    # --- forward -------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, topk_indices=None, **kwargs):
+        self._save(layer, forward_batch, k, v, save_kv_cache)
+        heads = layer.tp_q_head_num
+        q = q.reshape(-1, heads, layer.qk_head_dim)
+        out = torch.empty((q.shape[0], heads, layer.v_head_dim), dtype=torch.float32)
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        for req_row, (first, count, prefix, seq_len) in enumerate(_request_layout(forward_batch)):
+            req = int(forward_batch.req_pool_indices[req_row])
+            for c0 in range(first, first + count, _QUERY_CHUNK):
+                c1 = min(c0 + _QUERY_CHUNK, first + count)
+                if topk_indices is not None:
+                    positions = topk_indices[c0:c1].long()
+                else:  # dense causal: every earlier position
+                    local = torch.arange(c0 - first, c1 - first) + prefix
+                    positions = torch.arange(seq_len)[None, :].expand(c1 - c0, -1)
+                    positions = torch.where(positions <= local[:, None], positions, torch.full_like(positions, -1))
+                rows = self._rows_of_positions(req, positions)
+                out[c0:c1] = self._attend(q[c0:c1], rows, kv, layer)
+        return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, topk_indices=None, **kwargs):
+        self._save(layer, forward_batch, k, v, save_kv_cache)
+        heads = layer.tp_q_head_num
+        q = q.reshape(-1, heads, layer.qk_head_dim)
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if self.hisparse_coordinator is not None:
+            rows = self.hisparse_coordinator.swap_in_selected_pages(
+                forward_batch.req_pool_indices, forward_batch.seq_lens, topk_indices, layer.layer_id
+            ).long()
+        else:
+            rows = torch.stack(
+                [self._rows_of_positions(int(r), topk_indices[i].long())
+                 for i, r in enumerate(forward_batch.req_pool_indices.tolist())]
+            )
+        out = self._attend(q, rows[: q.shape[0]], kv, layer)
+        return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+
+
+def attention_method_for(attn, forward_batch, fallback) -> Optional[object]:
+    """DeepSeek attention dispatch for the CPU DSA backend: absorbed MLA for every batch."""
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+
+    if getattr(attn, "use_dsa", False):
+        return AttnForwardMethod.MLA
+    return fallback(attn, forward_batch)

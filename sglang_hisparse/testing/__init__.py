@@ -1,0 +1,1 @@
+"""Test-bed helpers shipped with the package (opt-in; nothing here runs in a normal server)."""

@@ -1,0 +1,178 @@
+"""Start, query and stop real SGLang servers for end-to-end tests and the demo.
+
+A server is ``python -m sglang.launch_server`` in its own process group on 127.0.0.1, its output
+in a log file; it is stopped by PID (SIGTERM to the group, SIGKILL after a grace period). On a
+machine without a GPU the server runs SGLang's CPU engine with our CPU stand-in for
+``sgl_kernel`` first on ``PYTHONPATH`` and the deterministic dummy weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+CPU_STAND_IN = PACKAGE_DIR / "cpu" / "stand_in"
+IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@dataclass
+class Server:
+    """A running SGLang server (see :func:`start_server`)."""
+
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def generate(self, input_ids: Any, max_new_tokens: int, timeout: float = 1800, **sampling: Any) -> Any:
+        """POST /generate with token ids (one list or a list of lists); greedy by default."""
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        params.update(sampling)
+        return post_json(f"{self.url}/generate", {"input_ids": input_ids, "sampling_params": params}, timeout)
+
+    def abort(self, rid: str) -> None:
+        post_json(f"{self.url}/abort_request", {"rid": rid}, 30)
+
+    def idle_reports(self) -> list[dict]:
+        """Every ``sglang-hisparse idle`` line of the log, parsed."""
+        reports = []
+        for m in IDLE_LINE.finditer(self.log()):
+            counts = {}
+            for part in m.group(1).split():
+                name, value = part.split("=")
+                now, initial = value.split("/")
+                counts[name] = (int(now), int(initial))
+            reports.append({"counts": counts, "leak": m.group(2) == "yes",
+                            "selected": int(m.group(3)), "misses": int(m.group(4))})
+        return reports
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the server and every process it spawned (by process group)."""
+        if self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=30)
+
+
+def post_json(url: str, body: dict, timeout: float) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def server_env(*, cpu: bool, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("SGLANG_HISPARSE_DUMMY_INIT", "normal")
+    env["PYTHONUNBUFFERED"] = "1"
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_IN), env.get("PYTHONPATH", "")) if p)
+    env.update(extra or {})
+    return env
+
+
+def start_server(
+    *,
+    model: str = "tiny-dsa-cpu",
+    hisparse_config: Optional[str] = None,
+    extra_args: Optional[list[str]] = None,
+    env: Optional[dict[str, str]] = None,
+    log_dir: Path,
+    cpu: Optional[bool] = None,
+    name: str = "server",
+    max_total_tokens: int = 16384,
+    ready_timeout: float = 600.0,
+) -> Server:
+    """Launch a server and wait until /health answers (raises with the log tail if it dies)."""
+    cpu = (not has_cuda()) if cpu is None else cpu
+    port = free_port()
+    model_path = Path(model) if os.path.isdir(model) else MODELS_DIR / model
+    args = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path), "--load-format", "dummy", "--skip-tokenizer-init",
+        "--disable-radix-cache", "--host", "127.0.0.1", "--port", str(port),
+        "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
+    ]
+    if cpu:
+        args += ["--device", "cpu"]
+    if hisparse_config is not None:
+        args += ["--enable-hisparse", "--hisparse-config", hisparse_config]
+    args += list(extra_args or [])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, env=server_env(cpu=cpu, extra=env), start_new_session=True
+        )
+    server = Server(port=port, process=process, log_path=log_path, args=args)
+    deadline = time.time() + ready_timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited with {process.returncode}:\n" + "\n".join(server.log().splitlines()[-40:]))
+        try:
+            with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return server
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(2)
+    server.stop()
+    raise TimeoutError(f"{name} not ready after {ready_timeout}s:\n" + "\n".join(server.log().splitlines()[-40:]))
+
+
+def wait_for_idle_report(server: Server, timeout: float = 120.0, after: int = 0) -> dict:
+    """The first idle report after the first ``after`` ones (the server logs one per busy ->
+    idle transition)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        reports = server.idle_reports()
+        if len(reports) > after:
+            return reports[-1]
+        time.sleep(1)
+    raise TimeoutError(f"no sglang-hisparse idle report within {timeout}s")
