@@ -284,22 +284,23 @@ class HiSparseCoordinator:
 
     def _backup_previous_tokens(self, lens: list[int], idxs: list[int]) -> None:
         """Write-through: the token decoded last step (position seq_len - 2) goes to host."""
-        device_rows, host_rows = [], []
+        reqs, positions = [], []
         for seq_len, idx in zip(lens, idxs):
             if self._skip_first_backup[idx]:
                 self._skip_first_backup[idx] = False
                 continue
             position = seq_len - 2
-            host_rows.append(
-                self.mem_pool_host.alloc_paged_token_slots(
-                    self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, position, 1
-                )
+            self.mem_pool_host.ensure_allocated(
+                self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, position + 1
             )
-            device_rows.append(self.hot_locs[idx, min(position, self.device_buffer_size)].view(1))
-        if not device_rows:
+            reqs.append(idx)
+            positions.append(position)
+        if not reqs:
             return
-        device_rows_t = torch.cat(device_rows).to(torch.int64)
-        host_rows_t = torch.cat(host_rows)
+        req_t = torch.tensor(reqs, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        host_rows_t = self.req_to_host_pool[req_t, pos_t]
+        device_rows_t = self.hot_locs[req_t, pos_t.clamp(max=self.device_buffer_size)].to(torch.int64)
         self.wait_for_pending_backup()
         schedule_stream = self.device_module.current_stream()
         with self.device_module.stream(self.decode_backup_stream):

@@ -68,24 +68,37 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
         Raises RuntimeError if the pool is exhausted: admission (the allocator counts this pool)
         makes that a bug, not a load condition.
         """
-        device = req_to_host_pool.device
         if num_tokens <= 0:
-            return torch.empty((0,), dtype=torch.int64, device=device)
-        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
+            return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
         end = start_pos + num_tokens
+        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
         if start_pos > allocated:
             raise AssertionError(f"host slots must grow in order: start {start_pos} > allocated {allocated}")
-        new_end = self._round_up(end)
-        if new_end > allocated:
-            rows = self.alloc(new_end - allocated)
-            if rows is None:
-                raise RuntimeError(
-                    f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
-                    f"{new_end - allocated} needed); admission should have prevented this"
-                )
-            req_to_host_pool[req_pool_idx, allocated:new_end] = rows.to(device, non_blocking=True)
-            req_to_host_pool_allocated_len[req_pool_idx] = new_end
+        self.ensure_allocated(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
         return req_to_host_pool[req_pool_idx, start_pos:end]
+
+    def ensure_allocated(
+        self,
+        req_to_host_pool: torch.Tensor,
+        req_to_host_pool_allocated_len: torch.Tensor,
+        req_pool_idx: int,
+        end: int,
+    ) -> None:
+        """Grow a request's host rows by whole pages until positions ``0..end-1`` have one.
+        Writes the table only when a page is added (a decode step crosses a page boundary once
+        every page_size steps)."""
+        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
+        new_end = self._round_up(end)
+        if new_end <= allocated:
+            return
+        rows = self.alloc(new_end - allocated)
+        if rows is None:
+            raise RuntimeError(
+                f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
+                f"{new_end - allocated} needed); admission should have prevented this"
+            )
+        req_to_host_pool[req_pool_idx, allocated:new_end] = rows.to(req_to_host_pool.device, non_blocking=True)
+        req_to_host_pool_allocated_len[req_pool_idx] = new_end
 
     def allocated_host_indices(self, req_to_host_pool, req_pool_idx: int, allocated_len: int) -> torch.Tensor:
         rows = req_to_host_pool[req_pool_idx, : int(allocated_len)]

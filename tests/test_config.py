@@ -42,6 +42,7 @@ def test_all_keys_round_trip():
         "swap_in_block_size": 256,
         "resolver": "reference",
         "skip_io": True,
+        "stats_log_interval": 4,
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == raw
@@ -71,6 +72,7 @@ def test_config_is_frozen():
         ('{"host_to_device_ratio": 1.5}', "invalid host_to_device_ratio=1.5: must be an integer"),
         ('{"resolver": "fast"}', 'invalid resolver="fast": must be one of auto, reference, cuda'),
         ('{"skip_io": 1}', "invalid skip_io=1: must be true or false"),
+        ('{"stats_log_interval": -1}', "invalid stats_log_interval=-1: must be an integer >= 0 (0 = off)"),
     ],
 )
 def test_bad_input_gets_a_one_line_message_naming_the_key(raw, fragment):

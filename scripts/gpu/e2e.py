@@ -1,0 +1,219 @@
+"""End to end on the H200: one configuration per call, results as JSON fragments.
+
+Runs on the GPU machine from the repository root after scripts/gpu/run.sh prepared
+/tmp/site (SGLang 0.5.17 + our wheel). Each subcommand starts real servers with the tiny DSA
+model (sglang_hisparse/testing/models/tiny-dsa), drives them with token-id requests, stops them
+by PID and writes a JSON fragment; scripts/gpu/collect.py merges fragments into
+docs/results/e2e_gpu.json.
+
+    python scripts/gpu/e2e.py exactness --impl ours --buffer 4096 --graph 1 --out $OUT/x.json
+    python scripts/gpu/e2e.py throughput --impls none,ours --concurrency 1,8,32 --out $OUT/t.json
+
+Implementations: ``none`` (no HiSparse), ``ours`` (this plugin), ``upstream`` (SGLang's own
+HiSparse: SGLANG_PLUGINS selects only our test-only dummy-init plugin, so weights are the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from sglang_hisparse.testing.server import Server, start_server, wait_for_idle_report  # noqa: E402
+
+VOCAB = 32768
+LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs"))  # packed by scripts/gpu/run.sh
+TOP_K = 2048  # the tiny model's index_topk
+
+
+def flags(graph: bool, max_total_tokens: int, max_running: int) -> list[str]:
+    args = [
+        "--trust-remote-code", "--kv-cache-dtype", "bfloat16", "--mem-fraction-static", "0.4",
+        "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+        "--dsa-topk-backend", "torch", "--context-length", "65536", "--grammar-backend", "none",
+        "--max-running-requests", str(max_running), "--decode-log-interval", "16",
+    ]
+    if graph:
+        args += ["--cuda-graph-max-bs", str(min(max(max_running, 8), 128)), "--cuda-graph-backend-prefill", "disabled"]
+    else:
+        args += ["--disable-cuda-graph"]
+    return args
+
+
+ENV = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+
+
+def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
+           log_dir: Path, stats_interval: int = 0) -> Server:
+    env = dict(ENV)
+    hisparse = None
+    if impl == "ours":
+        hisparse = json.dumps({"device_buffer_size": buffer, "host_to_device_ratio": ratio,
+                               "stats_log_interval": stats_interval})
+    elif impl == "upstream":
+        env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
+        hisparse = json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
+    return start_server(
+        model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running),
+        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}",
+        max_total_tokens=max_total_tokens, ready_timeout=420,
+    )
+
+
+def prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(n)] for n in lengths]
+
+
+# --- exactness ---------------------------------------------------------------------------------
+FIRST_WAVE = [2048 - 64, 16384, 32768, 61440, 2000, 16000, 32000, 60000, 8192, 24576, 4096, 12000]
+SECOND_WAVE = [16384, 32768, 3000, 20000, 45000, 1000]  # arrives while the first wave decodes
+ABORTED = (1, 4)  # indices in the second wave, aborted mid-decode
+
+
+def exactness_workload(server: Server, new_tokens: int) -> dict:
+    """Wave 1 in one batched call; wave 2 arrives while wave 1 decodes (separate calls, two of
+    them aborted mid-decode). Returns output ids by request name."""
+    results: dict[str, object] = {}
+    wave2 = prompts(SECOND_WAVE, seed=2)
+    rids = [f"w2-{i}-{uuid.uuid4().hex[:6]}" for i in range(len(wave2))]
+
+    def second_wave(i: int) -> None:
+        try:
+            out = server.generate(wave2[i], new_tokens if i not in ABORTED else 4 * new_tokens, rid=rids[i])
+            results[f"w2-{i}"] = out
+        except Exception as e:  # noqa: BLE001 - recorded
+            results[f"w2-{i}"] = {"error": repr(e)}
+
+    def first_wave() -> None:
+        outs = server.generate(prompts(FIRST_WAVE, seed=1), new_tokens)
+        for i, o in enumerate(outs):
+            results[f"w1-{i}"] = o
+
+    t1 = threading.Thread(target=first_wave)
+    t1.start()
+    deadline = time.time() + 300
+    while "Decode batch" not in server.log() and time.time() < deadline:
+        time.sleep(0.2)
+    threads = [threading.Thread(target=second_wave, args=(i,)) for i in range(len(wave2))]
+    for t in threads:
+        t.start()
+    time.sleep(3.0)
+    for i in ABORTED:
+        server.abort(rids[i])
+    t1.join()
+    for t in threads:
+        t.join()
+    return results
+
+
+def exactness(args) -> dict:
+    log_dir = LOG_DIR
+    common = dict(buffer=args.buffer, ratio=args.ratio, graph=bool(args.graph), max_total_tokens=args.max_total_tokens,
+                  max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=log_dir)
+    outputs, reports = {}, {}
+    for impl in ("none", args.impl):
+        t = time.time()
+        server = launch(impl, **common)
+        print(f"[e2e] {impl} B={args.buffer} graph={args.graph}: up in {time.time() - t:.0f}s", flush=True)
+        try:
+            before = len(server.idle_reports())
+            t = time.time()
+            outputs[impl] = exactness_workload(server, args.new_tokens)
+            print(f"[e2e] {impl}: workload {time.time() - t:.0f}s", flush=True)
+            if impl == "ours":
+                reports[impl] = wait_for_idle_report(server, after=before)
+        finally:
+            server.stop()
+    base, test = outputs["none"], outputs[args.impl]
+    compared = [k for k in base if not (k.startswith("w2-") and int(k.split("-")[1]) in ABORTED)]
+    first_diff = []
+    for k in sorted(compared):
+        a, b = base[k].get("output_ids"), test.get(k, {}).get("output_ids")
+        if a is None or b is None:
+            first_diff.append(-1)
+            continue
+        first_diff.append(None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    row = {
+        "impl": args.impl, "B": args.buffer, "cuda_graph": bool(args.graph), "sequences": len(compared),
+        "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
+        "aborted_finish": [test.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
+        "idle_report": reports.get("ours"),
+    }
+    print(json.dumps({k: v for k, v in row.items() if k != "idle_report"}), flush=True)
+    return {"exactness": [row]}
+
+
+# --- throughput --------------------------------------------------------------------------------
+def throughput(args) -> dict:
+    log_dir = LOG_DIR
+    rows = []
+    levels = [int(c) for c in args.concurrency.split(",")]
+    for impl in args.impls.split(","):
+        t = time.time()
+        server = launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True, max_total_tokens=args.max_total_tokens,
+                        max_running=max(levels), log_dir=log_dir)
+        print(f"[e2e] {impl}: up in {time.time() - t:.0f}s", flush=True)
+        try:
+            for c in levels:
+                batch = prompts([args.context] * c, seed=10 + c)
+                before = len(server.idle_reports())
+                t0 = time.time()
+                server.generate(batch, 1)
+                t1 = time.time()
+                server.generate(batch, args.new_tokens)
+                t2 = time.time()
+                decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
+                miss_rate = None
+                if impl == "ours":
+                    rep = wait_for_idle_report(server, after=before)
+                    miss_rate = rep["misses"] / rep["selected"] if rep["selected"] else None
+                row = {"impl": impl, "concurrency": c, "context": args.context,
+                       "decode_tok_s": c * (args.new_tokens - 1) / decode_s,
+                       "tpot_ms": 1000 * decode_s / (args.new_tokens - 1), "miss_rate": miss_rate}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            server.stop()
+    return {"throughput": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("exactness")
+    e.add_argument("--impl", choices=["ours", "upstream"], required=True)
+    e.add_argument("--buffer", type=int, default=4096)
+    e.add_argument("--ratio", type=int, default=4)
+    e.add_argument("--graph", type=int, default=1)
+    e.add_argument("--new-tokens", type=int, default=128)
+    e.add_argument("--max-total-tokens", type=int, default=524288)
+    e.add_argument("--out", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--impls", default="none,upstream,ours")
+    t.add_argument("--concurrency", default="1,8,32,64")
+    t.add_argument("--context", type=int, default=32768)
+    t.add_argument("--new-tokens", type=int, default=256)
+    t.add_argument("--buffer", type=int, default=4096)
+    t.add_argument("--ratio", type=int, default=8)
+    t.add_argument("--max-total-tokens", type=int, default=262144)
+    t.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = exactness(args) if args.cmd == "exactness" else throughput(args)
+    result["command"] = " ".join(["python", "scripts/gpu/e2e.py"] + sys.argv[1:])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

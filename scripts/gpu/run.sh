@@ -1,0 +1,55 @@
+#!/bin/bash
+# One GPU-machine command: prepare Python packages, run one job, bring back results and JIT caches.
+#
+# Runs on the H200 test machine from the repository root, with `carry: [".site"]` holding
+#   .site/site.tar.xz          SGLang 0.5.17 and what the image lacks (scripts/gpu/build_site.sh)
+#   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
+#   .site/jitcache.tar.xz      optional: JIT caches brought back by an earlier call
+# Usage: bash scripts/gpu/run.sh <job> [args...]
+#   job = kernel  -> bash scripts/gpu/kernel_suite.sh
+#   job = e2e     -> python scripts/gpu/e2e.py [args...]
+# Writes under $OUT: the job's files, run.log, jitcache.tar.xz (if the caches fit in 15 MB).
+set -u
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+log() { echo "[run +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
+if [ ! -f /tmp/site/.ok ]; then
+  python3 -c "import tarfile; tarfile.open('.site/site.tar.xz').extractall('/tmp/site')" || { log "cannot extract .site/site.tar.xz"; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .site/sglang_hisparse-*.whl >/dev/null 2>&1 \
+    || { log "cannot install our wheel"; exit 2; }
+  touch /tmp/site/.ok
+fi
+if [ -f .site/jitcache.tar.xz ] && [ ! -d /tmp/jit ]; then
+  mkdir -p /tmp/jit && python3 -c "import tarfile; tarfile.open('.site/jitcache.tar.xz').extractall('/tmp/jit')" && log "restored JIT cache"
+fi
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm SGLANG_DG_CACHE_DIR=/tmp/jit/deep_gemm
+export TRITON_CACHE_DIR=/tmp/jit/triton FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer SGLANG_CACHE_DIR=/tmp/jit/sglang
+export SGLANG_HISPARSE_DUMMY_INIT=normal OUT
+log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1); python $(python3 -V 2>&1)"
+python3 -c "import torch, sglang, sglang_hisparse; print('versions', torch.__version__, sglang.__version__, sglang_hisparse.__file__)" 2>&1 | tail -1 | tee -a "$OUT/run.log"
+job=$1; shift
+case "$job" in
+  kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+  e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+  *) log "unknown job $job"; exit 2 ;;
+esac
+rc=${PIPESTATUS[0]}
+[ -d /tmp/e2e_logs ] && tar -C /tmp -cJf "$OUT/logs.tar.xz" e2e_logs 2>/dev/null
+if [ -d /tmp/jit ]; then
+  python3 - "$OUT/jitcache.tar.xz" <<'PY' || true
+import os, sys, tarfile
+def pack(skip):
+    with tarfile.open(sys.argv[1], "w:xz", preset=1) as t:
+        for d in sorted(os.listdir("/tmp/jit")):
+            if d not in skip:
+                t.add(f"/tmp/jit/{d}", arcname=d)
+pack(())
+if os.path.getsize(sys.argv[1]) > 15_500_000:
+    pack(("triton",))
+if os.path.getsize(sys.argv[1]) > 15_500_000:
+    os.remove(sys.argv[1])
+PY
+fi
+log "job $job exit $rc"
+exit $rc
