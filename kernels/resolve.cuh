@@ -36,6 +36,12 @@
 
 #pragma once
 
+#ifdef HISPARSE_EMULATE
+// CPU emulation of the CUDA built-ins used below (tests/emulation/cuda_emulation.h): the device
+// code of this file runs unchanged on host threads, for checking it without a GPU.
+#include "cuda_emulation.h"
+#define HISPARSE_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem()
+#else
 #include <sgl_kernel/utils.cuh>
 #include <sgl_kernel/utils.h>
 
@@ -43,14 +49,14 @@
 #include <tvm/ffi/container/tensor.h>
 
 #include <cuda_runtime.h>
+#define HISPARSE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 
 #include <array>
 #include <cstdint>
 #include <cstdio>
 
 namespace hisparse {
-
-using tvm::ffi::TensorView;
 
 // ------------------------------------------------------------------------------------------------
 // Constants and shared-memory layout
@@ -174,6 +180,8 @@ struct ReplayParams {
 // Device helpers: async copies, vector loads/stores, scoped atomics
 // ------------------------------------------------------------------------------------------------
 
+#ifndef HISPARSE_EMULATE  // (the emulation header provides these)
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -230,6 +238,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
   return t;
 }
+#endif  // HISPARSE_EMULATE
 
 __device__ __forceinline__ void count_error(uint32_t* state) {
   atomicAdd(state + kStateErrors, 1u);
@@ -762,7 +771,7 @@ __global__ void __launch_bounds__(kMaxThreads) resolve_kernel(const __grid_const
   static_assert(kB >= 1 && kB <= 32767, "slots are int16");
   static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
   static_assert(PlanLayout<kB, kTopK>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
-  extern __shared__ __align__(16) unsigned char smem[];
+  HISPARSE_DYNAMIC_SMEM(smem);
   int n_real = p.num_real_reqs[0];
   n_real = n_real < 0 ? 0 : (n_real > p.num_reqs ? p.num_reqs : n_real);
   const int bid = static_cast<int>(blockIdx.x);
@@ -775,7 +784,7 @@ __global__ void __launch_bounds__(kMaxThreads) resolve_kernel(const __grid_const
 
 template <int kItemBytes>
 __global__ void __launch_bounds__(kMaxThreads) replay_kernel(const __grid_constant__ ReplayParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  HISPARSE_DYNAMIC_SMEM(smem);
   uint32_t* s_prefix = reinterpret_cast<uint32_t*>(smem);  // [plan_rows + 1]
   int32_t* s_wsum = reinterpret_cast<int32_t*>(s_prefix + p.plan_rows + 1);  // [32]
   const int tid = threadIdx.x;
@@ -822,6 +831,10 @@ __global__ void __launch_bounds__(kMaxThreads) replay_kernel(const __grid_consta
 // ------------------------------------------------------------------------------------------------
 // Host side
 // ------------------------------------------------------------------------------------------------
+
+#ifndef HISPARSE_EMULATE
+
+using tvm::ffi::TensorView;
 
 namespace detail {
 
@@ -1116,5 +1129,7 @@ void replay(
   const auto stream = host::LaunchKernel::resolve_device(plan_counts.device());
   host::LaunchKernel(dim3(static_cast<unsigned>(num_ctas)), dim3(static_cast<unsigned>(block)), stream, smem)(kernel, p);
 }
+
+#endif  // HISPARSE_EMULATE
 
 }  // namespace hisparse

@@ -96,6 +96,8 @@ class CaseSpec:
     topk_row_pad: int = 0  # > 0: top_k_positions is a view with a wider row stride
     layers: int = 2
     layer: int = 1
+    hot_extra_cols: Optional[int] = None  # None: random in [1, 16]
+    out_extra_rows: Optional[int] = None  # None: random in [0, 3]
 
     def describe(self) -> str:
         d = dataclasses.asdict(self)
@@ -228,7 +230,7 @@ def make_case(
     slot_tokens_all[spec.layer] = tokens.to(torch.int32)
     lru_all[spec.layer] = lru.to(torch.int16)
 
-    extra = 1 + int(randint(0, 16, (1,)).item())
+    extra = spec.hot_extra_cols if spec.hot_extra_cols is not None else 1 + int(randint(0, 16, (1,)).item())
     hot = torch.randperm(D, generator=gen, device=dev).view(R, B + 1).to(torch.int32)
     hot_locs = torch.cat([hot, randint(-(1 << 30), 1 << 30, (R, extra)).to(torch.int32)], dim=1)
     contiguous = rand(R) < spec.contiguous_host_prob
@@ -301,7 +303,7 @@ def make_case(
 
     # ---- outputs, poisoned (no real output is < -1) ----
     poison = -int(randint(2, 1 << 30, (1,)).item())
-    out_rows = n + int(randint(0, 4, (1,)).item())
+    out_rows = n + (spec.out_extra_rows if spec.out_extra_rows is not None else int(randint(0, 4, (1,)).item()))
     out = torch.full((out_rows, K), poison, dtype=torch.int32, device=dev)
     plan = None
     if spec.plan:

@@ -137,6 +137,8 @@ def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int =
     if top_k < 1:
         raise ValueError(f"make_workspace: top_k must be >= 1, got {top_k}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
     n = max_reqs * top_k
     return ResolveWorkspace(
         max_reqs=max_reqs,
