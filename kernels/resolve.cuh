@@ -733,8 +733,10 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
     uint32_t* st = p.state;
     const uint64_t t0 = global_timer_ns();
     uint32_t spins = 0;
+    unsigned backoff = 32;  // ns, doubling to 256: keeps the polling of one L2 line light
     while (ld_acquire_gpu(st + kStatePlanned) < static_cast<uint32_t>(n_real)) {
-      __nanosleep(64);
+      __nanosleep(backoff);
+      if (backoff < 256) backoff <<= 1;
       if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > p.spin_timeout_ns) {
         printf(
             "hisparse resolve: copier CTA %d waited > %llu ns for %d planners (%u published); trapping\n", c,
@@ -767,7 +769,7 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
 // ------------------------------------------------------------------------------------------------
 
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
-__global__ void __launch_bounds__(kMaxThreads) resolve_kernel(const __grid_constant__ ResolveParams p) {
+__global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_constant__ ResolveParams p) {
   static_assert(kB >= 1 && kB <= 32767, "slots are int16");
   static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
   static_assert(PlanLayout<kB, kTopK>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
@@ -783,7 +785,7 @@ __global__ void __launch_bounds__(kMaxThreads) resolve_kernel(const __grid_const
 }
 
 template <int kItemBytes>
-__global__ void __launch_bounds__(kMaxThreads) replay_kernel(const __grid_constant__ ReplayParams p) {
+__global__ void __launch_bounds__(kMaxThreads, 1) replay_kernel(const __grid_constant__ ReplayParams p) {
   HISPARSE_DYNAMIC_SMEM(smem);
   uint32_t* s_prefix = reinterpret_cast<uint32_t*>(smem);  // [plan_rows + 1]
   int32_t* s_wsum = reinterpret_cast<int32_t*>(s_prefix + p.plan_rows + 1);  // [32]
@@ -1014,9 +1016,13 @@ void resolve(
     if (num_copiers >= 0) {
       copiers = num_copiers;
     } else {
+      // Enough copier threads for the worst case (every selection a miss), but no more than fit
+      // beside the planners in one wave (a second wave would delay even a launch with no misses);
+      // at large batch (planners fill the GPU) half a wave, dispatched as the planners retire.
       const int64_t fill = int64_t(per_sm) * sm_count(dev);
       const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), block * kCopyUnroll);
-      copiers = need < fill ? need : fill;
+      const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;
+      copiers = need < room ? need : room;
       if (copiers < 1) copiers = 1;
     }
   }
