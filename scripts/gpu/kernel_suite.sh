@@ -64,8 +64,13 @@ export TVM_FFI_CUDA_ARCH_LIST=$ARCH
 $PY - <<'EOF' || { note "FATAL: imports failed"; exit 2; }
 import importlib.metadata as md, sys, torch
 import sglang_hisparse, sglang_hisparse.kernels as k
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, sglang {md.version('sglang')}, "
-      f"tvm-ffi {md.version('apache-tvm-ffi')}")
+def version(name):
+    try:
+        return md.version(name)
+    except Exception as e:
+        return f"? ({type(e).__name__})"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, sglang {version('sglang')}, "
+      f"tvm-ffi {version('apache-tvm-ffi')}")
 print(f"sglang_hisparse from {sglang_hisparse.__file__}; kernel sources {k.source_dir()}")
 EOF
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
@@ -82,7 +87,7 @@ T_SAN=$(cap 220 150)
 note "GPU tests (limit ${T_TESTS}s) with memcheck and racecheck alongside (limit ${T_SAN}s each)"
 export HISPARSE_TEST_COMMAND="bash scripts/gpu/kernel_suite.sh (step: python3 -m pytest tests/gpu/test_resolve_kernel.py)"
 HISPARSE_TEST_SECONDS=$(( T_TESTS > 90 ? T_TESTS - 60 : 30 )) limited "$T_TESTS" \
-  $PY -m pytest -q -x -p no:cacheprovider tests/gpu/test_resolve_kernel.py > /tmp/hisparse_tests.log 2>&1 &
+  $PY -m pytest -q -s -x -p no:cacheprovider tests/gpu/test_resolve_kernel.py > /tmp/hisparse_tests.log 2>&1 &
 PID_TESTS=$!
 if [ -n "$SANITIZER" ] && (( T_SAN > 30 )); then
   limited "$T_SAN" "$SANITIZER" --tool memcheck --print-limit 20 \
