@@ -139,7 +139,7 @@ class HiSparseCoordinator:
         self._initial_free = None
         self._last_idle_report: Optional[tuple] = None
 
-        self._resolve = make_resolver(self.config, dev, max_reqs)
+        self._resolve = make_resolver(self.config, dev, max_reqs, top_k)
         self._resolve.warmup(self.device_pool.row_bytes, B, top_k)
         self._initial_free = self.free_counts()
         logger.info(

@@ -1,28 +1,81 @@
-"""Choose the resolver a coordinator uses: the CUDA kernel on CUDA, the reference elsewhere.
+"""Which resolver runs a layer, behind one call.
 
-Both take the same keyword arguments (see ``reference.resolve_reference``). ``resolver`` in the
-config selects: ``auto`` (kernel on CUDA devices, reference otherwise), ``reference``, or
-``cuda`` (refuse to start if the kernel cannot be used).
+Rules (config key ``resolver``):
+
+* ``reference``: the pure-torch reference, on any device.
+* ``cuda``: the fused kernel; refused (HiSparsePluginError) unless the device is a CUDA device of
+  a CUDA build of torch (not ROCm).
+* ``auto`` (default): the kernel on CUDA devices of a CUDA build, the reference elsewhere.
+
+:func:`resolve_layer` then forwards the reference's keywords to the chosen implementation; the
+kernel-only keywords (``workspace``, ``block_size``) are dropped for the reference.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable
+from typing import Any, Literal, Optional, Union
 
 import torch
 
-from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.resolver.reference import resolve_reference
 
-logger = logging.getLogger(__name__)
+Impl = Literal["cuda", "reference"]
+
+
+def kernel_supported(device: Union[torch.device, str]) -> bool:
+    """True when the fused kernel can run on ``device`` (CUDA device, CUDA build of torch)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.version.cuda is not None and torch.version.hip is None
+
+
+def choose_resolver(setting: str, device: Union[torch.device, str]) -> Impl:
+    """Apply the rules above to the config's ``resolver`` setting and the KV device."""
+    if setting == "reference":
+        return "reference"
+    if setting == "cuda":
+        if not kernel_supported(device):
+            raise HiSparsePluginError(
+                f"--hisparse-config resolver=cuda needs a CUDA device with a CUDA build of torch; "
+                f"the KV cache is on {torch.device(device)} (torch CUDA {torch.version.cuda}); "
+                "use resolver=auto or resolver=reference"
+            )
+        return "cuda"
+    if setting == "auto":
+        return "cuda" if kernel_supported(device) else "reference"
+    raise ValueError(f"unknown resolver setting {setting!r}; expected auto, reference or cuda")
+
+
+def resolve_layer(
+    impl: Impl, *, workspace: Optional[Any] = None, block_size: Optional[int] = None, **kwargs: Any
+) -> None:
+    """Resolve one layer with ``impl`` (keywords of ``reference.resolve_reference``).
+
+    Side effects: those of the chosen resolver (tables, ``out``, ``device_kv``, plan, counters).
+    """
+    if impl == "cuda":
+        if workspace is None:
+            raise ValueError("the CUDA resolver needs a workspace (resolver.cuda.make_workspace)")
+        from sglang_hisparse.resolver.cuda import resolve_cuda
+
+        resolve_cuda(workspace=workspace, block_size=block_size, **kwargs)
+        return
+    if impl == "reference":
+        from sglang_hisparse.resolver.reference import resolve_reference
+
+        resolve_reference(**kwargs)
+        return
+    raise ValueError(f"unknown resolver {impl!r}")
+
 
 
 class Resolver:
-    """A named resolve function with a start-up hook (JIT build before CUDA-graph capture)."""
+    """A named resolve function with a start-up hook (JIT build before CUDA-graph capture).
 
-    def __init__(self, name: str, fn: Callable[..., Any], warmup: Callable[[int, int, int], None]):
+    The coordinator holds one; calling it resolves one layer (keywords of
+    ``reference.resolve_reference``).
+    """
+
+    def __init__(self, name: str, fn, warmup):
         self.name = name
         self._fn = fn
         self._warmup = warmup
@@ -34,26 +87,25 @@ class Resolver:
         self._warmup(row_bytes, device_buffer_size, top_k)
 
 
-def reference_resolver() -> Resolver:
-    return Resolver("reference", resolve_reference, lambda *_: None)
+def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k: int) -> Resolver:
+    """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`.
 
+    For the kernel, allocates its workspace once (fixed addresses for CUDA graphs) and passes the
+    configured block size on every call; ``warmup`` JIT-builds the variant the server needs.
+    """
+    impl = choose_resolver(config.resolver, device)
+    if impl == "reference":
+        from sglang_hisparse.resolver.reference import resolve_reference
 
-def make_resolver(config: HiSparseConfig, device: torch.device, max_reqs: int) -> Resolver:
-    want_cuda = config.resolver == "cuda" or (config.resolver == "auto" and device.type == "cuda")
-    if not want_cuda:
-        return reference_resolver()
-    if device.type != "cuda":
-        raise HiSparsePluginError(
-            f"--hisparse-config resolver=cuda needs a CUDA device, the server runs on {device.type}"
-        )
+        return Resolver("reference", resolve_reference, lambda *_: None)
     from sglang_hisparse.resolver import cuda as cuda_resolver
 
-    workspace = cuda_resolver.make_workspace(max_reqs, device)
+    workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
 
     def resolve(**kwargs: Any) -> None:
         cuda_resolver.resolve_cuda(workspace=workspace, block_size=config.swap_in_block_size, **kwargs)
 
-    def warmup(row_bytes: int, device_buffer_size: int, top_k: int) -> None:
-        cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k, config.swap_in_block_size)
+    def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
+        cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size)
 
     return Resolver("cuda", resolve, warmup)

@@ -1,0 +1,1141 @@
+// sglang-hisparse: the fused RESOLVE kernel and the copy-only plan replay kernel.
+//
+// One launch resolves one sparse layer for a batch: each request's top-k selected logical
+// positions become hot-buffer device rows, misses are copied from pinned host memory, and the
+// request's slot table and LRU order are updated. Semantics are exactly those of
+// sglang_hisparse/resolver/reference.py (the oracle); docs/kernel.md explains the design.
+//
+// Grid layout of resolve_kernel (blockDim.x = any multiple of 32 in [32, 1024]):
+//   blockIdx.x <  num_reqs            planner CTA of request blockIdx.x (padded rows exit early)
+//   blockIdx.x >= num_reqs            copier CTA (only when num_copiers > 0 and not SkipIO)
+//
+// Planner stages (one CTA per request, all state in shared memory):
+//   S0  stage the request's rows (top-k, slot tokens, LRU, hot locs) into smem with cp.async
+//   S1  insert the selected positions into an open-addressing hash table (position -> j)
+//   S2  every slot looks its token up: slot s holding selection j is a hit for j
+//   S3  warp-ballot counts of misses (top-k order) and evictable slots (LRU order)
+//   S4  block scan of the per-warp counts (every warp redundantly: no extra barrier)
+//   S5  ranks: miss j gets rank m, evictable slot gets rank e; the m-th miss takes the m-th
+//       evictable slot; new LRU = [evictables not taken][victims in miss order][hits]; start the
+//       host-row gathers of the misses (cp.async)
+//   S6  publish: out (top-k order), slot tokens of victims, LRU row, miss list, plan, counters
+//   copy: misses are copied host -> device with 16-byte loads, all loads of a thread issued
+//         before its stores; either by copier CTAs (after every planner has published) or, with
+//         num_copiers == 0, by the planner CTA itself.
+//
+// Cross-CTA protocol (copier mode only; workspace state words, zero between launches):
+//   planner: total_rows += M (atomic, gives the base of its rows in the flat miss list);
+//            writes its list; __syncthreads; thread 0: fence + red.release planned += 1
+//   copier : thread 0 spins until ld.acquire(planned) >= num_real (planners have lower block
+//            indices, so every planner a copier waits for was dispatched before it and never
+//            waits itself: the decoupled look-back forward-progress assumption); reads
+//            total_rows; exited += 1 (acq_rel); the copier that sees exited == C - 1 is the last
+//            reader of the counters and resets planned/total_rows/exited to 0 for the next
+//            launch (stream order makes the reset visible to it). No host reset, so the launch is
+//            CUDA-graph replayable. A copier that waits longer than spin_timeout_ns traps.
+
+#pragma once
+
+#ifdef HISPARSE_EMULATE
+// CPU emulation of the CUDA built-ins used below (tests/emulation/cuda_emulation.h): the device
+// code of this file runs unchanged on host threads, for checking it without a GPU.
+#include "cuda_emulation.h"
+#define HISPARSE_DYNAMIC_SMEM(name) unsigned char* name = emu::dynamic_smem()
+#else
+#include <sgl_kernel/utils.cuh>
+#include <sgl_kernel/utils.h>
+
+#include <dlpack/dlpack.h>
+#include <tvm/ffi/container/tensor.h>
+
+#include <cuda_runtime.h>
+#define HISPARSE_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+
+namespace hisparse {
+
+// ------------------------------------------------------------------------------------------------
+// Constants and shared-memory layout
+// ------------------------------------------------------------------------------------------------
+
+inline constexpr int kWarpSize = 32;
+inline constexpr int kMaxThreads = 1024;
+inline constexpr int kCopyUnroll = 4;  // 16-byte chunks a thread has in flight per iteration
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+// Workspace state words (uint32), each on its own 128-byte line. Only errors is ever non-zero
+// between launches.
+inline constexpr int kStatePlanned = 0;
+inline constexpr int kStateTotalRows = 32;
+inline constexpr int kStateExited = 64;
+inline constexpr int kStateErrors = 96;
+inline constexpr int kStateWords = 128;
+
+inline constexpr size_t kMaxSmemBytes = 227 * 1024;  // Hopper opt-in limit per block
+
+constexpr int next_pow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+constexpr int ilog2(int x) {
+  int l = 0;
+  while ((1 << l) < x) ++l;
+  return l;
+}
+constexpr size_t align16(size_t x) {
+  return (x + 15) & ~size_t(15);
+}
+constexpr size_t cmax(size_t a, size_t b) {
+  return a > b ? a : b;
+}
+
+// Planner shared memory. Mirrored by sglang_hisparse/resolver/cuda.py: planner_smem_bytes().
+template <int kB, int kTopK>
+struct PlanLayout {
+  static constexpr int kHash = next_pow2(2 * kTopK);  // load factor <= 1/2
+  static constexpr int kHashBits = ilog2(kHash);
+  static constexpr size_t kTopkOff = 0;                                       // int32[kTopK]
+  static constexpr size_t kSelOff = align16(kTopkOff + 4 * size_t(kTopK));    // int32[kTopK]
+  static constexpr size_t kTokOff = align16(kSelOff + 4 * size_t(kTopK));     // int32[kB]
+  static constexpr size_t kHotOff = align16(kTokOff + 4 * size_t(kB));        // int32[kB + 1]
+  static constexpr size_t kLruOff = align16(kHotOff + 4 * size_t(kB + 1));    // int16[kB]
+  static constexpr size_t kVictOff = align16(kLruOff + 2 * size_t(kB));       // int16[kTopK]
+  static constexpr size_t kUnionOff = align16(kVictOff + 2 * size_t(kTopK));
+  // Union, part 1 (S0-S2): the hash table.
+  static constexpr size_t kHashKeysOff = kUnionOff;                                 // int32[kHash]
+  static constexpr size_t kHashValsOff = align16(kHashKeysOff + 4 * size_t(kHash)); // int16[kHash]
+  static constexpr size_t kHashEnd = align16(kHashValsOff + 2 * size_t(kHash));
+  // Union, part 2 (S5-S6): the new LRU row and the host rows of the misses.
+  static constexpr size_t kNewLruOff = kUnionOff;                                   // int16[kB]
+  static constexpr size_t kHostRowOff = align16(kNewLruOff + 2 * size_t(kB));       // int64[kTopK]
+  static constexpr size_t kPhase2End = align16(kHostRowOff + 8 * size_t(kTopK));
+  static constexpr size_t kMiscOff = cmax(kHashEnd, kPhase2End);  // int32[3][32] + int32[8]
+  static constexpr size_t kBytes = align16(kMiscOff + 4 * (3 * kWarpSize + 8));
+};
+
+// ------------------------------------------------------------------------------------------------
+// Kernel parameters
+// ------------------------------------------------------------------------------------------------
+
+struct ResolveParams {
+  const int32_t* topk;  // [num_reqs, kTopK], row stride topk_stride
+  int64_t topk_stride;
+  const void* seq_lens;  // int32 or int64 [num_reqs]
+  const void* req_pool_indices;  // int32 or int64 [num_reqs]
+  int32_t seq_is_i64;
+  int32_t rpi_is_i64;
+  const int32_t* hot_locs;  // [table_rows, >= kB + 1]
+  int64_t hot_stride;
+  int32_t* slot_tokens;  // [table_rows, kB]
+  int64_t tok_stride;
+  int16_t* lru;  // [table_rows, kB]
+  int64_t lru_stride;
+  const int64_t* host_locs;  // [table_rows, max_context]
+  int64_t host_locs_stride;
+  int64_t max_context;
+  int64_t table_rows;  // rows valid in all four tables
+  const uint8_t* host_kv;  // pinned host, rows of kItemBytes
+  int64_t host_rows;
+  uint8_t* device_kv;  // device, rows of kItemBytes
+  int64_t device_rows;
+  int32_t* out;  // [>= num_reqs, kTopK]
+  int64_t out_stride;
+  const int32_t* num_real_reqs;  // device scalar
+  int32_t num_reqs;
+  int32_t has_plan;
+  int64_t* plan_host;  // [>= num_reqs, >= kTopK]
+  int64_t plan_host_stride;
+  int32_t* plan_dev;
+  int64_t plan_dev_stride;
+  int32_t* plan_counts;  // [>= num_reqs]
+  int64_t* counters;  // nullable: += (selected, misses)
+  uint32_t* state;  // workspace state words
+  int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
+  int32_t* flat_dev;
+  uint64_t spin_timeout_ns;
+};
+
+struct ReplayParams {
+  const int64_t* plan_host;
+  int64_t plan_host_stride;
+  const int32_t* plan_dev;
+  int64_t plan_dev_stride;
+  const int32_t* plan_counts;
+  int32_t plan_rows;  // rows of the plan (counts.shape[0])
+  int32_t plan_width;  // top_k (columns of host_rows / device_rows)
+  const int32_t* num_real_reqs;
+  const uint8_t* host_kv;
+  int64_t host_rows;
+  uint8_t* device_kv;
+  int64_t device_rows;
+  uint32_t* state;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers: async copies, vector loads/stores, scoped atomics
+// ------------------------------------------------------------------------------------------------
+
+#ifndef HISPARSE_EMULATE  // (the emulation header provides these)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// 16-byte load from pinned host memory (read-only for the kernel's lifetime) and 16-byte store.
+// Neither has a "memory" clobber: a thread's loads are all issued before its stores.
+__device__ __forceinline__ uint4 ld_nc_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_v4(void* p, const uint4& v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w));
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t atom_acq_rel_gpu_add(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+__device__ __forceinline__ void st_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+#endif  // HISPARSE_EMULATE
+
+__device__ __forceinline__ void count_error(uint32_t* state) {
+  atomicAdd(state + kStateErrors, 1u);
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, bool is_i64, int i) {
+  return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// Issue asynchronous copies of n elements g[0, n) -> s[0, n) (s is 16-byte aligned), striding the
+// CTA's threads. 16-byte copies when g is 16-byte aligned, 4-byte when 4-byte aligned, else plain
+// element loads. Complete with cp_async_wait_all() + __syncthreads().
+template <typename T>
+__device__ __forceinline__ void stage_row(T* s, const T* g, int n, int tid, int nt) {
+  if (n <= 0) return;
+  const uintptr_t ga = reinterpret_cast<uintptr_t>(g);
+  int done = 0;
+  if (ga % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+    const int nv = n / kPer;
+    for (int v = tid; v < nv; v += nt) cp_async16(s + v * kPer, g + v * kPer);
+    done = nv * kPer;
+  } else if (sizeof(T) <= 4 && ga % 4 == 0) {
+    constexpr int kPer = sizeof(T) <= 4 ? 4 / sizeof(T) : 1;
+    const int nv = n / kPer;
+    for (int v = tid; v < nv; v += nt) cp_async4(s + v * kPer, g + v * kPer);
+    done = nv * kPer;
+  }
+  for (int k = done + tid; k < n; k += nt) s[k] = g[k];
+}
+
+// Store n elements s[0, n) -> g[0, n), vectorized like stage_row.
+template <typename T>
+__device__ __forceinline__ void store_row(T* g, const T* s, int n, int tid, int nt) {
+  const uintptr_t ga = reinterpret_cast<uintptr_t>(g);
+  int done = 0;
+  if (ga % 16 == 0) {
+    constexpr int kPer = 16 / sizeof(T);
+    const int nv = n / kPer;
+    for (int v = tid; v < nv; v += nt) {
+      reinterpret_cast<uint4*>(g)[v] = reinterpret_cast<const uint4*>(s)[v];
+    }
+    done = nv * kPer;
+  } else if (sizeof(T) <= 4 && ga % 4 == 0) {
+    constexpr int kPer = sizeof(T) <= 4 ? 4 / sizeof(T) : 1;
+    const int nv = n / kPer;
+    for (int v = tid; v < nv; v += nt) {
+      reinterpret_cast<uint32_t*>(g)[v] = reinterpret_cast<const uint32_t*>(s)[v];
+    }
+    done = nv * kPer;
+  }
+  for (int k = done + tid; k < n; k += nt) g[k] = s[k];
+}
+
+// Inclusive scan across a warp (all 32 lanes participate).
+__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
+#pragma unroll
+  for (int d = 1; d < kWarpSize; d <<= 1) {
+    const int o = __shfl_up_sync(kFullMask, v, d);
+    if (lane >= d) v += o;
+  }
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Copy stage: rows[g] = (host row, device row) for g in [0, total_rows); every row is kItemBytes,
+// split into 16-byte chunks. Chunk index idx = start + k * stride; consecutive lanes take
+// consecutive chunks (coalesced). Each thread issues kCopyUnroll loads before any store.
+// Rows outside [0, host_rows) x [0, device_rows) are skipped and counted as errors.
+// ------------------------------------------------------------------------------------------------
+
+struct FlatRows {
+  const int64_t* host;
+  const int32_t* dev;
+  __device__ __forceinline__ void operator()(uint32_t g, int64_t& src, int64_t& dst) const {
+    src = __ldcg(host + g);
+    dst = static_cast<int64_t>(__ldcg(dev + g));
+  }
+};
+
+struct PlanRows {
+  const int64_t* host;
+  int64_t host_stride;
+  const int32_t* dev;
+  int64_t dev_stride;
+  const uint32_t* prefix;  // smem, prefix[0..n] (exclusive scan of the counts)
+  int n;
+  __device__ __forceinline__ void operator()(uint32_t g, int64_t& src, int64_t& dst) const {
+    int lo = 0, hi = n;  // largest i in [0, n) with prefix[i] <= g (then prefix[i + 1] > g)
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (prefix[mid] <= g) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    const int64_t m = static_cast<int64_t>(g - prefix[lo]);
+    src = host[lo * host_stride + m];
+    dst = static_cast<int64_t>(dev[lo * dev_stride + m]);
+  }
+};
+
+template <int kItemBytes, typename RowFn>
+__device__ __forceinline__ void copy_rows(
+    const RowFn& rows,
+    uint32_t total_rows,
+    uint32_t start,
+    uint32_t stride,
+    const uint8_t* __restrict__ host_kv,
+    int64_t host_rows,
+    uint8_t* __restrict__ device_kv,
+    int64_t device_rows,
+    uint32_t* state) {
+  static_assert(kItemBytes % 16 == 0, "rows are copied in 16-byte chunks");
+  constexpr uint32_t kChunks = kItemBytes / 16;
+  const uint32_t total = total_rows * kChunks;
+  for (uint32_t base = start; base < total; base += stride * kCopyUnroll) {
+    int64_t src[kCopyUnroll];
+    int64_t dst[kCopyUnroll];
+    uint32_t col[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      const uint32_t idx = base + static_cast<uint32_t>(u) * stride;
+      src[u] = -1;
+      dst[u] = 0;
+      col[u] = 0;
+      if (idx < total) {
+        const uint32_t g = idx / kChunks;
+        col[u] = idx - g * kChunks;
+        rows(g, src[u], dst[u]);
+        if (src[u] < 0 || src[u] >= host_rows || dst[u] < 0 || dst[u] >= device_rows) {
+          if (col[u] == 0) count_error(state);
+          src[u] = -1;
+        }
+      }
+    }
+    uint4 v[kCopyUnroll];
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (src[u] >= 0) v[u] = ld_nc_v4(host_kv + src[u] * kItemBytes + col[u] * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < kCopyUnroll; ++u) {
+      if (src[u] >= 0) st_v4(device_kv + dst[u] * kItemBytes + col[u] * 16, v[u]);
+    }
+  }
+}
+
+// Thread's first chunk and the stride when `ctas` CTAs of blockDim.x threads share the copy:
+// warp w of CTA c is global warp w * ctas + c, so a small copy spreads over all the CTAs.
+__device__ __forceinline__ void copy_start_stride(int cta, int ctas, uint32_t& start, uint32_t& stride) {
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  start = static_cast<uint32_t>((warp * ctas + cta) * kWarpSize + lane);
+  stride = static_cast<uint32_t>(ctas) * blockDim.x;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Planner
+// ------------------------------------------------------------------------------------------------
+
+template <int kHashBits>
+__device__ __forceinline__ int hash_of(int32_t key) {
+  return static_cast<int>((static_cast<uint32_t>(key) * 2654435761u) >> (32 - kHashBits));
+}
+
+// Ends a planner CTA: every thread's global writes are done (barrier); in copier mode thread 0
+// publishes the request (release); in self-copy mode the CTA copies its own misses.
+template <int kItemBytes, bool kSkipIO>
+__device__ __forceinline__ void finish_planner(const ResolveParams& p, bool copier_mode, uint32_t base, uint32_t misses) {
+  __syncthreads();
+  if constexpr (kSkipIO) {
+    return;
+  } else {
+    if (copier_mode) {
+      // The barrier above orders every thread's writes before thread 0's release (PTX release
+      // is cumulative), so the copiers that acquire `planned` see the whole miss list.
+      if (threadIdx.x == 0) red_release_gpu_add(p.state + kStatePlanned, 1u);
+    } else if (misses > 0) {
+      uint32_t start, stride;
+      copy_start_stride(0, 1, start, stride);
+      copy_rows<kItemBytes>(
+          FlatRows{p.flat_host + base, p.flat_dev + base}, misses, start, stride, p.host_kv, p.host_rows,
+          p.device_kv, p.device_rows, p.state);
+    }
+  }
+}
+
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+__device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
+  using Lay = PlanLayout<kB, kTopK>;
+  constexpr int kHash = Lay::kHash;
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int nw = nt / kWarpSize;
+  const unsigned lanes_below = (1u << lane) - 1u;
+  const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
+
+  int32_t* s_topk = reinterpret_cast<int32_t*>(smem + Lay::kTopkOff);
+  int32_t* s_sel = reinterpret_cast<int32_t*>(smem + Lay::kSelOff);
+  int32_t* s_tok = reinterpret_cast<int32_t*>(smem + Lay::kTokOff);
+  int32_t* s_hot = reinterpret_cast<int32_t*>(smem + Lay::kHotOff);
+  int16_t* s_lru = reinterpret_cast<int16_t*>(smem + Lay::kLruOff);
+  int16_t* s_vict = reinterpret_cast<int16_t*>(smem + Lay::kVictOff);
+  int32_t* s_hkeys = reinterpret_cast<int32_t*>(smem + Lay::kHashKeysOff);
+  int16_t* s_hvals = reinterpret_cast<int16_t*>(smem + Lay::kHashValsOff);
+  int16_t* s_newlru = reinterpret_cast<int16_t*>(smem + Lay::kNewLruOff);
+  int64_t* s_hostrow = reinterpret_cast<int64_t*>(smem + Lay::kHostRowOff);
+  int32_t* s_wsum = reinterpret_cast<int32_t*>(smem + Lay::kMiscOff);  // [3][32]
+  int32_t* s_scalar = s_wsum + 3 * kWarpSize;                          // [8]
+
+  int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
+
+  // ---- S0: the top-k row does not depend on the request's tables: start it first. ----
+  stage_row(s_topk, p.topk + static_cast<int64_t>(i) * p.topk_stride, kTopK, tid, nt);
+  const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
+  const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
+
+  if (r < 0 || r >= p.table_rows) {  // CTA-uniform: not a valid request row
+    cp_async_wait_all();
+    for (int j = tid; j < kTopK; j += nt) out_row[j] = -1;
+    if (tid == 0) {
+      count_error(p.state);
+      if (p.has_plan) p.plan_counts[i] = 0;
+    }
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+  const int32_t* hot_row = p.hot_locs + r * p.hot_stride;
+
+  // ---- Fast path (L <= B): position q lives at slot q; no IO, no table change. ----
+  if (L <= kB) {  // CTA-uniform
+    stage_row(s_hot, hot_row, L > 0 ? static_cast<int>(L) : 0, tid, nt);
+    cp_async_wait_all();
+    __syncthreads();
+    for (int j = tid; j < kTopK; j += nt) {
+      const int32_t q = s_topk[j];
+      int32_t o = -1;
+      if (q >= 0) {
+        if (q < L) {
+          o = s_hot[q];
+        } else {
+          count_error(p.state);  // precondition: positions < seq_len
+        }
+      }
+      out_row[j] = o;
+    }
+    if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+
+  // ---- S0 (long path): stage the tables; initialise the hash table and the selection map. ----
+  int32_t* tok_row = p.slot_tokens + r * p.tok_stride;
+  int16_t* lru_row = p.lru + r * p.lru_stride;
+  const int64_t* host_loc_row = p.host_locs + r * p.host_locs_stride;
+  stage_row(s_tok, tok_row, kB, tid, nt);
+  stage_row(s_lru, lru_row, kB, tid, nt);
+  stage_row(s_hot, hot_row, kB + 1, tid, nt);
+  if constexpr (kHash % 4 == 0) {
+    for (int h = tid; h < kHash / 4; h += nt) reinterpret_cast<int4*>(s_hkeys)[h] = make_int4(-1, -1, -1, -1);
+  } else {
+    for (int h = tid; h < kHash; h += nt) s_hkeys[h] = -1;
+  }
+  for (int j = tid; j < kTopK; j += nt) s_sel[j] = -1;  // -1: no slot holds selection j
+  cp_async_wait_all();
+  __syncthreads();
+
+  const int64_t newest = L - 1;
+  const int64_t valid_end = newest < p.max_context ? newest : p.max_context;  // valid: 0 <= q < valid_end
+  auto is_valid = [&](int32_t q) { return q >= 0 && static_cast<int64_t>(q) < valid_end; };
+
+  // ---- S1: insert every selected position (not padding, not the newest) into the hash table. ----
+  for (int j = tid; j < kTopK; j += nt) {
+    const int32_t q = s_topk[j];
+    if (q < 0 || q == newest) continue;
+    if (!is_valid(q)) {
+      count_error(p.state);  // precondition: positions < seq_len (and < max_context)
+      continue;
+    }
+    int h = hash_of<Lay::kHashBits>(q);
+    while (true) {
+      const int32_t prev = atomicCAS(s_hkeys + h, -1, q);
+      if (prev == -1) {
+        s_hvals[h] = static_cast<int16_t>(j);
+        break;
+      }
+      if (prev == q) {  // precondition: selections are distinct; the first inserter keeps it
+        count_error(p.state);
+        break;
+      }
+      h = (h + 1) & (kHash - 1);
+    }
+  }
+  __syncthreads();
+
+  // ---- S2: each slot looks up its token; s_tok[s] becomes the selection j it holds (or -1). ----
+  // If several slots held the same position (invalid state) the reference keeps the last one:
+  // atomicMax picks the largest slot index.
+  for (int s = tid; s < kB; s += nt) {
+    const int32_t t = s_tok[s];
+    int32_t j = -1;
+    if (t >= 0) {
+      int h = hash_of<Lay::kHashBits>(t);
+      while (true) {
+        const int32_t k = s_hkeys[h];
+        if (k == t) {
+          j = s_hvals[h];
+          break;
+        }
+        if (k == -1) break;
+        h = (h + 1) & (kHash - 1);
+      }
+    }
+    s_tok[s] = j;
+    if (j >= 0) atomicMax(s_sel + j, s);
+  }
+  __syncthreads();
+
+  // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
+  auto slot_is_evictable = [&](int s) -> bool {
+    if (s < 0 || s >= kB) return false;
+    const int32_t j = s_tok[s];
+    return !(j >= 0 && s_sel[j] == s);
+  };
+
+  // Warp-contiguous element ranges (multiples of 32) for the two ballot scans.
+  const int k_per_warp = ((kTopK + kWarpSize * nw - 1) / (kWarpSize * nw)) * kWarpSize;
+  const int k_begin = warp * k_per_warp;
+  const int k_end = min(k_begin + k_per_warp, kTopK);
+  const int b_per_warp = ((kB + kWarpSize * nw - 1) / (kWarpSize * nw)) * kWarpSize;
+  const int b_begin = warp * b_per_warp;
+  const int b_end = min(b_begin + b_per_warp, kB);
+
+  // ---- S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU). ----
+  {
+    int n_miss = 0, n_sel = 0, n_evict = 0;
+    for (int base = k_begin; base < k_end; base += kWarpSize) {  // warp-uniform trip count
+      const int j = base + lane;
+      const int32_t q = j < k_end ? s_topk[j] : -1;
+      const bool v = is_valid(q);
+      const bool miss = v && s_sel[j] < 0;
+      n_sel += __popc(__ballot_sync(kFullMask, v));
+      n_miss += __popc(__ballot_sync(kFullMask, miss));
+    }
+    for (int base = b_begin; base < b_end; base += kWarpSize) {
+      const int qq = base + lane;
+      bool ev = false;
+      if (qq < b_end) {
+        const int s = s_lru[qq];
+        if (s < 0 || s >= kB) count_error(p.state);  // precondition: LRU is a permutation of [0, B)
+        ev = slot_is_evictable(s);
+      }
+      n_evict += __popc(__ballot_sync(kFullMask, ev));
+    }
+    if (lane == 0) {
+      s_wsum[warp] = n_miss;
+      s_wsum[kWarpSize + warp] = n_evict;
+      s_wsum[2 * kWarpSize + warp] = n_sel;
+    }
+  }
+  __syncthreads();
+
+  // ---- S4: scan of the warp counts; every warp computes it (lanes >= nw read 0). ----
+  int miss_off, evict_off, M, E, selected;
+  {
+    const int vm = lane < nw ? s_wsum[lane] : 0;
+    const int ve = lane < nw ? s_wsum[kWarpSize + lane] : 0;
+    const int vs = lane < nw ? s_wsum[2 * kWarpSize + lane] : 0;
+    const int im = warp_inclusive_scan(vm, lane);
+    const int ie = warp_inclusive_scan(ve, lane);
+    const int is = warp_inclusive_scan(vs, lane);
+    miss_off = __shfl_sync(kFullMask, im - vm, warp);
+    evict_off = __shfl_sync(kFullMask, ie - ve, warp);
+    M = __shfl_sync(kFullMask, im, kWarpSize - 1);
+    E = __shfl_sync(kFullMask, ie, kWarpSize - 1);
+    selected = __shfl_sync(kFullMask, is, kWarpSize - 1);
+  }
+  const int M_eff = M < E ? M : E;  // M <= E holds for valid input (B >= selections)
+  const bool need_host_rows = !kSkipIO || p.has_plan;
+  if (tid == 0) {
+    if (M > E) count_error(p.state);
+    uint32_t base = static_cast<uint32_t>(i) * kTopK;  // self-copy mode: the request's own rows
+    if (copier_mode && M_eff > 0) base = atomicAdd(p.state + kStateTotalRows, static_cast<uint32_t>(M_eff));
+    s_scalar[0] = static_cast<int32_t>(base);
+  }
+
+  // ---- S5: ranks. Miss j gets rank m (top-k order); the evictable at LRU rank e gets rank e; the
+  // m-th miss takes the m-th evictable. New LRU = [evictables e >= M][victims e < M][hits]. ----
+  {
+    int run = miss_off;
+    for (int base = k_begin; base < k_end; base += kWarpSize) {
+      const int j = base + lane;
+      const int32_t q = j < k_end ? s_topk[j] : -1;
+      const bool miss = is_valid(q) && s_sel[j] < 0;  // only this thread rewrites s_sel[j]
+      const unsigned mask = __ballot_sync(kFullMask, miss);
+      if (miss) {
+        const int m = run + __popc(mask & lanes_below);
+        s_sel[j] = -2 - m;  // miss code
+        if (need_host_rows && m < M_eff) cp_async8(s_hostrow + m, host_loc_row + q);
+      }
+      run += __popc(mask);
+    }
+    run = evict_off;
+    for (int base = b_begin; base < b_end; base += kWarpSize) {
+      const int qq = base + lane;
+      int s = -1;
+      bool ev = false;
+      if (qq < b_end) {
+        s = s_lru[qq];
+        ev = slot_is_evictable(s);  // reads s_sel only of hits: never rewritten above
+      }
+      const unsigned mask = __ballot_sync(kFullMask, ev);
+      const int e = run + __popc(mask & lanes_below);  // evictables before qq in LRU order
+      if (qq < b_end) {
+        int pos;
+        if (ev) {
+          pos = e >= M_eff ? e - M_eff : E - M_eff + e;
+          if (e < M_eff) s_vict[e] = static_cast<int16_t>(s);
+        } else {
+          pos = E + (qq - e);
+        }
+        s_newlru[pos] = static_cast<int16_t>(s);
+      }
+      run += __popc(mask);
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // ---- S6: publish outputs in top-k order, victims' slot tokens, the miss list and plan. ----
+  const uint32_t base = static_cast<uint32_t>(s_scalar[0]);
+  int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(i) * p.plan_host_stride : nullptr;
+  int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(i) * p.plan_dev_stride : nullptr;
+  for (int j = tid; j < kTopK; j += nt) {
+    const int32_t q = s_topk[j];
+    const int32_t c = s_sel[j];
+    int32_t o = -1;
+    if (q < 0) {
+      o = -1;
+    } else if (q == newest) {
+      o = s_hot[kB];
+    } else if (!is_valid(q)) {
+      o = -1;
+    } else if (c >= 0) {
+      o = s_hot[c];
+    } else {
+      const int m = -2 - c;
+      if (m < M_eff) {
+        const int s = s_vict[m];
+        const int32_t dev_row = s_hot[s];
+        o = dev_row;
+        tok_row[s] = q;
+        if (need_host_rows) {
+          const int64_t host_row = s_hostrow[m];
+          if constexpr (!kSkipIO) {
+            p.flat_host[base + m] = host_row;
+            p.flat_dev[base + m] = dev_row;
+          }
+          if (p.has_plan) {
+            plan_host_row[m] = host_row;
+            plan_dev_row[m] = dev_row;
+          }
+        }
+      }
+    }
+    out_row[j] = o;
+  }
+  store_row(lru_row, s_newlru, kB, tid, nt);
+  if (tid == 0) {
+    if (p.has_plan) p.plan_counts[i] = M_eff;
+    if (p.counters != nullptr) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters), static_cast<unsigned long long>(selected));
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters + 1), static_cast<unsigned long long>(M_eff));
+    }
+  }
+  finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(M_eff));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Copier CTA: wait for every real planner, then copy a share of the flat miss list.
+// ------------------------------------------------------------------------------------------------
+
+template <int kItemBytes>
+__device__ __forceinline__ void copier(const ResolveParams& p, const int c, const int n_real, unsigned char* smem) {
+  uint32_t* s_total = reinterpret_cast<uint32_t*>(smem);
+  const int num_copiers = static_cast<int>(gridDim.x) - p.num_reqs;
+  if (threadIdx.x == 0) {
+    uint32_t* st = p.state;
+    const uint64_t t0 = global_timer_ns();
+    uint32_t spins = 0;
+    unsigned backoff = 32;  // ns, doubling to 256: keeps the polling of one L2 line light
+    while (ld_acquire_gpu(st + kStatePlanned) < static_cast<uint32_t>(n_real)) {
+      __nanosleep(backoff);
+      if (backoff < 256) backoff <<= 1;
+      if ((++spins & 1023u) == 0 && global_timer_ns() - t0 > p.spin_timeout_ns) {
+        printf(
+            "hisparse resolve: copier CTA %d waited > %llu ns for %d planners (%u published); trapping\n", c,
+            static_cast<unsigned long long>(p.spin_timeout_ns), n_real, ld_relaxed_gpu(st + kStatePlanned));
+        __trap();
+      }
+    }
+    // Acquired: every planner's total_rows increment and miss list happen-before this point.
+    const uint32_t total = ld_relaxed_gpu(st + kStateTotalRows);
+    *s_total = total;
+    // Retire: the copier that makes exited == num_copiers is the last reader of the counters.
+    const uint32_t prev = atom_acq_rel_gpu_add(st + kStateExited, 1u);
+    if (prev == static_cast<uint32_t>(num_copiers - 1)) {
+      st_relaxed_gpu(st + kStatePlanned, 0u);
+      st_relaxed_gpu(st + kStateTotalRows, 0u);
+      st_relaxed_gpu(st + kStateExited, 0u);
+    }
+  }
+  __syncthreads();
+  const uint32_t total = *s_total;
+  uint32_t start, stride;
+  copy_start_stride(c, num_copiers, start, stride);
+  copy_rows<kItemBytes>(
+      FlatRows{p.flat_host, p.flat_dev}, total, start, stride, p.host_kv, p.host_rows, p.device_kv, p.device_rows,
+      p.state);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+// ------------------------------------------------------------------------------------------------
+
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+__global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_constant__ ResolveParams p) {
+  static_assert(kB >= 1 && kB <= 32767, "slots are int16");
+  static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
+  static_assert(PlanLayout<kB, kTopK>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
+  HISPARSE_DYNAMIC_SMEM(smem);
+  int n_real = p.num_real_reqs[0];
+  n_real = n_real < 0 ? 0 : (n_real > p.num_reqs ? p.num_reqs : n_real);
+  const int bid = static_cast<int>(blockIdx.x);
+  if (bid < p.num_reqs) {
+    if (bid < n_real) plan_request<kItemBytes, kB, kTopK, kSkipIO>(p, bid, smem);
+    return;  // padded CUDA-graph rows exit without touching anything
+  }
+  if constexpr (!kSkipIO) copier<kItemBytes>(p, bid - p.num_reqs, n_real, smem);
+}
+
+template <int kItemBytes>
+__global__ void __launch_bounds__(kMaxThreads, 1) replay_kernel(const __grid_constant__ ReplayParams p) {
+  HISPARSE_DYNAMIC_SMEM(smem);
+  uint32_t* s_prefix = reinterpret_cast<uint32_t*>(smem);  // [plan_rows + 1]
+  int32_t* s_wsum = reinterpret_cast<int32_t*>(s_prefix + p.plan_rows + 1);  // [32]
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int nw = nt / kWarpSize;
+  int n = p.num_real_reqs[0];
+  n = n < 0 ? 0 : (n > p.plan_rows ? p.plan_rows : n);
+
+  // Exclusive scan of the counts (each clamped to [0, plan_width]) in chunks of nt.
+  uint32_t carry = 0;
+  for (int chunk = 0; chunk < n; chunk += nt) {
+    const int idx = chunk + tid;
+    int v = 0;
+    if (idx < n) {
+      v = p.plan_counts[idx];
+      if (v < 0 || v > p.plan_width) {
+        count_error(p.state);
+        v = v < 0 ? 0 : p.plan_width;
+      }
+    }
+    const int incl = warp_inclusive_scan(v, lane);
+    if (lane == kWarpSize - 1) s_wsum[warp] = incl;
+    __syncthreads();
+    const int ws = lane < nw ? s_wsum[lane] : 0;
+    const int wincl = warp_inclusive_scan(ws, lane);
+    const int woff = __shfl_sync(kFullMask, wincl - ws, warp);
+    const int chunk_total = __shfl_sync(kFullMask, wincl, kWarpSize - 1);
+    if (idx < n) s_prefix[idx] = carry + static_cast<uint32_t>(woff + incl - v);
+    carry += static_cast<uint32_t>(chunk_total);
+    __syncthreads();  // s_wsum is rewritten by the next chunk
+  }
+  if (tid == 0) s_prefix[n] = carry;
+  __syncthreads();
+  if (n == 0) return;
+  uint32_t start, stride;
+  copy_start_stride(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), start, stride);
+  copy_rows<kItemBytes>(
+      PlanRows{p.plan_host, p.plan_host_stride, p.plan_dev, p.plan_dev_stride, s_prefix, n}, carry, start, stride,
+      p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+// ------------------------------------------------------------------------------------------------
+
+#ifndef HISPARSE_EMULATE
+
+using tvm::ffi::TensorView;
+
+namespace detail {
+
+inline bool is_int(DLDataType t, int bits) {
+  return t.code == kDLInt && t.bits == bits && t.lanes == 1;
+}
+
+template <typename T>
+inline T* ptr(const TensorView& t) {
+  return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
+}
+
+inline int current_device() {
+  int dev = 0;
+  host::RuntimeDeviceCheck(cudaGetDevice(&dev));
+  return dev;
+}
+
+inline int sm_count(int dev) {
+  static std::array<int, 64> cache{};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (cache[dev] == 0) {
+    int n = 0;
+    host::RuntimeDeviceCheck(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
+// Per kernel instantiation (the template argument is the kernel itself, so each instantiation has
+// its own cache): opt into > 48 KB of dynamic smem (once per device) and cache how many CTAs of
+// each block size fit on one SM.
+template <auto kKernel>
+inline int prepare_kernel(int block, size_t smem, int dev) {
+  static std::array<bool, 64> attr_set{};
+  static std::array<std::array<int, 33>, 64> occ{};
+  if (dev < 0 || dev >= 64) dev = 0;
+  if (!attr_set[dev]) {
+    host::RuntimeDeviceCheck(
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    attr_set[dev] = true;
+  }
+  const int slot = block / kWarpSize;
+  if (occ[dev][slot] == 0) {
+    int n = 0;
+    host::RuntimeDeviceCheck(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kKernel, block, smem));
+    host::RuntimeCheck(n >= 1, "hisparse: a block of ", block, " threads with ", smem, " B of smem cannot run");
+    occ[dev][slot] = n;
+  }
+  return occ[dev][slot];
+}
+
+inline void check_block(int64_t block) {
+  host::RuntimeCheck(
+      block >= kWarpSize && block <= kMaxThreads && block % kWarpSize == 0,
+      "hisparse: block size must be a multiple of 32 in [32, 1024], got ", block);
+}
+
+inline void check_rows(const TensorView& kv, int item_bytes, const char* name) {
+  host::RuntimeCheck(kv.ndim() >= 1, "hisparse: ", name, " must have a row dimension");
+  int64_t elems = 1;
+  for (int d = 1; d < kv.ndim(); ++d) elems *= kv.size(d);
+  const int64_t esize = kv.dtype().bits / 8;
+  host::RuntimeCheck(elems * esize == item_bytes, "hisparse: ", name, " rows are ", elems * esize,
+                     " bytes, the kernel was built for ", item_bytes);
+  host::RuntimeCheck(kv.stride(0) * esize == item_bytes && kv.stride(kv.ndim() - 1) == 1,
+                     "hisparse: ", name, " rows must be contiguous");
+  host::RuntimeCheck(reinterpret_cast<uintptr_t>(ptr<char>(kv)) % 16 == 0, "hisparse: ", name,
+                     " must be 16-byte aligned");
+}
+
+inline void check_table(const TensorView& t, int bits, int64_t min_cols, const char* name) {
+  host::RuntimeCheck(t.ndim() == 2 && is_int(t.dtype(), bits), "hisparse: ", name, " must be a 2-D int", bits,
+                     " tensor");
+  host::RuntimeCheck(t.size(1) >= min_cols && (t.size(1) <= 1 || t.stride(1) == 1), "hisparse: ", name,
+                     " must have >= ", min_cols, " contiguous columns");
+}
+
+}  // namespace detail
+
+// Sets the smem attribute and returns CTAs per SM of the resolve kernel at this block size
+// (called by warmup_build before any CUDA-graph capture).
+template <int kItemBytes, int kB, int kTopK>
+int64_t resolve_prepare(int64_t block) {
+  detail::check_block(block);
+  const int dev = detail::current_device();
+  constexpr size_t smem = PlanLayout<kB, kTopK>::kBytes;
+  const int a = detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false>>(static_cast<int>(block), smem, dev);
+  detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true>>(static_cast<int>(block), smem, dev);
+  return a;
+}
+
+// Resolve one layer (see the file header). Plan / counters are absent when their tensors are empty.
+// num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
+// copies its own misses; > 0: that many copier CTAs.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+void resolve(
+    TensorView topk,
+    TensorView seq_lens,
+    TensorView req_pool_indices,
+    TensorView hot_locs,
+    TensorView slot_tokens,
+    TensorView lru,
+    TensorView host_locs,
+    TensorView host_kv,
+    TensorView device_kv,
+    TensorView out,
+    TensorView num_real_reqs,
+    TensorView plan_host,
+    TensorView plan_dev,
+    TensorView plan_counts,
+    TensorView counters,
+    TensorView ws_state,
+    TensorView ws_flat_host,
+    TensorView ws_flat_dev,
+    int64_t block,
+    int64_t num_copiers,
+    int64_t spin_timeout_ns) {
+  using namespace detail;
+  check_block(block);
+  host::RuntimeCheck(topk.ndim() == 2 && is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
+                     "hisparse: top_k_positions must be int32 [num_reqs, ", kTopK, "]");
+  host::RuntimeCheck(kTopK == 1 || topk.stride(1) == 1, "hisparse: top_k_positions rows must be contiguous");
+  const int64_t num_reqs = topk.size(0);
+  if (num_reqs == 0) return;
+  host::RuntimeCheck(num_reqs < (1 << 30), "hisparse: too many requests");
+  host::RuntimeCheck(seq_lens.ndim() == 1 && (is_int(seq_lens.dtype(), 32) || is_int(seq_lens.dtype(), 64)) &&
+                         seq_lens.size(0) >= num_reqs && (seq_lens.size(0) <= 1 || seq_lens.stride(0) == 1),
+                     "hisparse: seq_lens must be a contiguous int32/int64 [>= num_reqs] tensor");
+  host::RuntimeCheck(req_pool_indices.ndim() == 1 &&
+                         (is_int(req_pool_indices.dtype(), 32) || is_int(req_pool_indices.dtype(), 64)) &&
+                         req_pool_indices.size(0) >= num_reqs &&
+                         (req_pool_indices.size(0) <= 1 || req_pool_indices.stride(0) == 1),
+                     "hisparse: req_pool_indices must be a contiguous int32/int64 [>= num_reqs] tensor");
+  check_table(hot_locs, 32, kB + 1, "hot_locs");
+  check_table(slot_tokens, 32, kB, "slot_tokens");
+  check_table(lru, 16, kB, "lru");
+  check_table(host_locs, 64, 1, "host_locs");
+  host::RuntimeCheck(slot_tokens.size(1) == kB && lru.size(1) == kB, "hisparse: slot_tokens / lru must have B columns");
+  check_table(out, 32, kTopK, "out");
+  host::RuntimeCheck(out.size(0) >= num_reqs && out.size(1) == kTopK, "hisparse: out must be int32 [>= num_reqs, top_k]");
+  host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
+                     "hisparse: num_real_reqs must be an int32 device tensor");
+  if constexpr (!kSkipIO) {
+    check_rows(host_kv, kItemBytes, "host_kv");
+    check_rows(device_kv, kItemBytes, "device_kv");
+  }
+  const bool has_plan = plan_counts.numel() > 0;
+  if (has_plan) {
+    check_table(plan_host, 64, kTopK, "plan.host_rows");
+    check_table(plan_dev, 32, kTopK, "plan.device_rows");
+    host::RuntimeCheck(plan_host.size(0) >= num_reqs && plan_dev.size(0) >= num_reqs &&
+                           plan_counts.ndim() == 1 && is_int(plan_counts.dtype(), 32) &&
+                           plan_counts.size(0) >= num_reqs && plan_counts.stride(0) == 1,
+                       "hisparse: plan tensors must cover num_reqs rows");
+  }
+  const bool has_counters = counters.numel() > 0;
+  if (has_counters) {
+    host::RuntimeCheck(is_int(counters.dtype(), 64) && counters.numel() >= 2 && counters.stride(0) == 1,
+                       "hisparse: counters must be a contiguous int64 [2] tensor");
+  }
+  host::RuntimeCheck(is_int(ws_state.dtype(), 32) && ws_state.numel() >= kStateWords,
+                     "hisparse: workspace state too small");
+  host::RuntimeCheck(is_int(ws_flat_host.dtype(), 64) && is_int(ws_flat_dev.dtype(), 32) &&
+                         ws_flat_host.numel() >= num_reqs * kTopK && ws_flat_dev.numel() >= num_reqs * kTopK,
+                     "hisparse: workspace miss list smaller than num_reqs * top_k");
+  host::RuntimeCheck(num_reqs * kTopK * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
+                     "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
+
+  const int dev = current_device();
+  constexpr size_t smem = PlanLayout<kB, kTopK>::kBytes;
+  constexpr auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO>;
+  const int per_sm = prepare_kernel<kernel>(static_cast<int>(block), smem, dev);
+
+  int64_t copiers = 0;
+  if constexpr (!kSkipIO) {
+    if (num_copiers >= 0) {
+      copiers = num_copiers;
+    } else {
+      // Enough copier threads for the worst case (every selection a miss), but no more than fit
+      // beside the planners in one wave (a second wave would delay even a launch with no misses);
+      // at large batch (planners fill the GPU) half a wave, dispatched as the planners retire.
+      const int64_t fill = int64_t(per_sm) * sm_count(dev);
+      const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), block * kCopyUnroll);
+      const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;
+      copiers = need < room ? need : room;
+      if (copiers < 1) copiers = 1;
+    }
+  }
+
+  ResolveParams p{};
+  p.topk = ptr<const int32_t>(topk);
+  p.topk_stride = topk.stride(0);
+  p.seq_lens = ptr<const void>(seq_lens);
+  p.req_pool_indices = ptr<const void>(req_pool_indices);
+  p.seq_is_i64 = is_int(seq_lens.dtype(), 64) ? 1 : 0;
+  p.rpi_is_i64 = is_int(req_pool_indices.dtype(), 64) ? 1 : 0;
+  p.hot_locs = ptr<const int32_t>(hot_locs);
+  p.hot_stride = hot_locs.stride(0);
+  p.slot_tokens = ptr<int32_t>(slot_tokens);
+  p.tok_stride = slot_tokens.stride(0);
+  p.lru = ptr<int16_t>(lru);
+  p.lru_stride = lru.stride(0);
+  p.host_locs = ptr<const int64_t>(host_locs);
+  p.host_locs_stride = host_locs.stride(0);
+  p.max_context = host_locs.size(1);
+  int64_t rows = hot_locs.size(0);
+  rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
+  rows = lru.size(0) < rows ? lru.size(0) : rows;
+  rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
+  p.table_rows = rows;
+  p.host_kv = ptr<const uint8_t>(host_kv);
+  p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
+  p.device_kv = ptr<uint8_t>(device_kv);
+  p.device_rows = device_kv.ndim() >= 1 ? device_kv.size(0) : 0;
+  p.out = ptr<int32_t>(out);
+  p.out_stride = out.stride(0);
+  p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
+  p.num_reqs = static_cast<int32_t>(num_reqs);
+  p.has_plan = has_plan ? 1 : 0;
+  if (has_plan) {
+    p.plan_host = ptr<int64_t>(plan_host);
+    p.plan_host_stride = plan_host.stride(0);
+    p.plan_dev = ptr<int32_t>(plan_dev);
+    p.plan_dev_stride = plan_dev.stride(0);
+    p.plan_counts = ptr<int32_t>(plan_counts);
+  }
+  p.counters = has_counters ? ptr<int64_t>(counters) : nullptr;
+  p.state = ptr<uint32_t>(ws_state);
+  p.flat_host = ptr<int64_t>(ws_flat_host);
+  p.flat_dev = ptr<int32_t>(ws_flat_dev);
+  p.spin_timeout_ns = static_cast<uint64_t>(spin_timeout_ns > 0 ? spin_timeout_ns : 10'000'000'000LL);
+
+  const auto stream = host::LaunchKernel::resolve_device(topk.device());
+  host::LaunchKernel(dim3(static_cast<unsigned>(num_reqs + copiers)), dim3(static_cast<unsigned>(block)), stream, smem)(
+      kernel, p);
+}
+
+// Copy-only replay of a miss plan on another layer's buffers (few CTAs; see replay_kernel).
+template <int kItemBytes>
+void replay(
+    TensorView plan_host,
+    TensorView plan_dev,
+    TensorView plan_counts,
+    TensorView num_real_reqs,
+    TensorView host_kv,
+    TensorView device_kv,
+    TensorView ws_state,
+    int64_t block,
+    int64_t num_ctas) {
+  using namespace detail;
+  check_block(block);
+  host::RuntimeCheck(num_ctas >= 1 && num_ctas <= 65535, "hisparse: replay CTAs must be in [1, 65535]");
+  host::RuntimeCheck(plan_counts.ndim() == 1 && is_int(plan_counts.dtype(), 32) &&
+                         (plan_counts.size(0) <= 1 || plan_counts.stride(0) == 1),
+                     "hisparse: plan.counts must be a contiguous int32 [rows] tensor");
+  const int64_t plan_rows = plan_counts.size(0);
+  if (plan_rows == 0) return;
+  check_table(plan_host, 64, 1, "plan.host_rows");
+  check_table(plan_dev, 32, 1, "plan.device_rows");
+  host::RuntimeCheck(plan_host.size(0) >= plan_rows && plan_dev.size(0) >= plan_rows &&
+                         plan_host.size(1) == plan_dev.size(1),
+                     "hisparse: plan tensors disagree in shape");
+  host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
+                     "hisparse: num_real_reqs must be an int32 device tensor");
+  check_rows(host_kv, kItemBytes, "host_kv");
+  check_rows(device_kv, kItemBytes, "device_kv");
+  host::RuntimeCheck(is_int(ws_state.dtype(), 32) && ws_state.numel() >= kStateWords,
+                     "hisparse: workspace state too small");
+  host::RuntimeCheck(plan_rows * plan_host.size(1) * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
+                     "hisparse: plan too large for 32-bit chunk indices");
+  const size_t smem = align16(4 * size_t(plan_rows + 1)) + 4 * kWarpSize;
+  host::RuntimeCheck(smem <= kMaxSmemBytes, "hisparse: plan has too many rows for one CTA's prefix table");
+  const int dev = current_device();
+  auto kernel = replay_kernel<kItemBytes>;
+  if (smem > 48 * 1024) {
+    host::RuntimeDeviceCheck(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  (void)dev;
+
+  ReplayParams p{};
+  p.plan_host = ptr<const int64_t>(plan_host);
+  p.plan_host_stride = plan_host.stride(0);
+  p.plan_dev = ptr<const int32_t>(plan_dev);
+  p.plan_dev_stride = plan_dev.stride(0);
+  p.plan_counts = ptr<const int32_t>(plan_counts);
+  p.plan_rows = static_cast<int32_t>(plan_rows);
+  p.plan_width = static_cast<int32_t>(plan_host.size(1));
+  p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
+  p.host_kv = ptr<const uint8_t>(host_kv);
+  p.host_rows = host_kv.size(0);
+  p.device_kv = ptr<uint8_t>(device_kv);
+  p.device_rows = device_kv.size(0);
+  p.state = ptr<uint32_t>(ws_state);
+  const auto stream = host::LaunchKernel::resolve_device(plan_counts.device());
+  host::LaunchKernel(dim3(static_cast<unsigned>(num_ctas)), dim3(static_cast<unsigned>(block)), stream, smem)(kernel, p);
+}
+
+#endif  // HISPARSE_EMULATE
+
+}  // namespace hisparse

@@ -1,0 +1,479 @@
+#!/usr/bin/env python3
+"""Benchmark: our fused RESOLVE kernel vs SGLang 0.5.17's load_cache_to_device_buffer_mla, per
+layer call, on identical inputs.
+
+Method (../shared/notes/h200-measurements.md): for every measured call the mutable tables are
+restored from pristine copies, L2 is flushed (a write of max(2.5 x L2, 256 MB)), a short GPU spin
+hides the host-side launch cost, then CUDA events bracket the one call; median / p10 / p90 of
+--reps (>= 50) timings after --warmup calls. Host KV rows of a request are contiguous (about
+115 MB per request at 1152 B, as in the upstream measurements); each request has seq_len 100000,
+B slots holding random positions, and selects top_k = 2048 positions: the newest, then
+round(miss_frac * 2048) misses (capped at 2047) and the rest hits.
+
+Grid: B in {2048, 4096} x item {1152, 656} x batch {1, 4, 16, 64} x miss {0, 0.13, 1.0}; rows for
+ours, ours with skip-IO (planning cost) and upstream (block size 960, the server default; its
+wrapper's own default 256 faults). Each cell is also checked: our outputs against the batched
+oracle, upstream's outputs against ours. A sweep of copier CTAs and block sizes follows.
+
+Writes kernel_bench.json, kernel_bench.md and kernel_bench.png into --out (or
+$HISPARSE_RESULTS_DIR) and prints the table. --budget-s stops starting new cells when exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
+from sglang_hisparse.resolver.batched import resolve_batched  # noqa: E402
+from sglang_hisparse.resolver.cases import kv_view  # noqa: E402
+from sglang_hisparse.resolver.report import machine_description, write_json  # noqa: E402
+
+TOP_K = 2048
+CONTEXT = 100_000
+BLOCK = 960
+BS = (2048, 4096)
+ITEMS = (1152, 656)
+BATCHES = (1, 4, 16, 64)
+MISSES = (0.0, 0.13, 1.0)
+TARGETS = [  # (description, B, item, batch, miss, limit_us)
+    ("0 misses, batch 16", 4096, 1152, 16, 0.0, 8.0),
+    ("13% misses, batch 1", 4096, 1152, 1, 0.13, 15.0),
+    ("13% misses, batch 16", 4096, 1152, 16, 0.13, 100.0),
+    ("13% misses, batch 64", 4096, 1152, 64, 0.13, 370.0),
+]
+IO_TARGET_GBPS = 45.0
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def n_misses(miss_frac: float) -> int:
+    return min(TOP_K - 1, int(round(miss_frac * TOP_K)))
+
+
+class Bench:
+    """Shared buffers: the pinned host pool, device KV, L2 flush buffer, workspace."""
+
+    def __init__(self, max_batch: int, reps: int, warmup: int) -> None:
+        self.dev = torch.device("cuda")
+        self.reps = reps
+        self.warmup = warmup
+        props = torch.cuda.get_device_properties(0)
+        l2 = int(getattr(props, "L2_cache_size", 60 << 20) or (60 << 20))
+        self.flush = torch.empty(max(int(2.5 * l2), 256 << 20), dtype=torch.uint8, device=self.dev)
+        self.max_batch = max_batch
+        host_bytes = max_batch * CONTEXT * max(ITEMS)
+        t0 = time.time()
+        self.host = torch.empty(host_bytes, dtype=torch.uint8, pin_memory=True)
+        chunk = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8, device=self.dev)
+        for off in range(0, host_bytes, chunk.numel()):
+            n = min(chunk.numel(), host_bytes - off)
+            self.host[off : off + n].copy_(chunk[:n])
+        torch.cuda.synchronize()
+        log(f"[bench] pinned {host_bytes / 2**30:.1f} GiB host KV in {time.time() - t0:.1f}s; "
+            f"L2 {l2 >> 20} MiB, flush buffer {self.flush.numel() >> 20} MiB")
+        dev_bytes = max_batch * (max(BS) + 1) * max(ITEMS)
+        self.device_flat = torch.empty(dev_bytes, dtype=torch.uint8, device=self.dev)
+        self.device_flat.random_(0, 256)
+        self.ws = rcuda.make_workspace(max_batch, self.dev, top_k=TOP_K)
+
+    def time_call(self, call: Callable[[], None], restore: Callable[[], None]) -> list[float]:
+        """Per-call microseconds of `call`, each after restore + L2 flush + spin."""
+        times = []
+        for i in range(self.warmup + self.reps):
+            restore()
+            self.flush.zero_()
+            torch.cuda._sleep(100_000)  # ~50 us: the host-side call overhead overlaps it
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            if i >= self.warmup:
+                times.append((start, end))
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1000.0 for s, e in times]
+
+
+def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, seed: int) -> dict[str, Any]:
+    """Pristine tables and the selection of one cell, for both kernels."""
+    dev = bench.dev
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    R = batch
+    L = CONTEXT
+    M = n_misses(miss_frac)
+    H = TOP_K - 1 - M
+    keys = torch.rand(R, L - 1, generator=g, device=dev)
+    tokens = keys.topk(B, dim=1, largest=False).indices  # B distinct positions < L - 1
+    lru = torch.rand(R, B, generator=g, device=dev).argsort(dim=1).to(torch.int16)
+    hot = torch.randperm(R * (B + 1), generator=g, device=dev).view(R, B + 1).to(torch.int32)
+    host_locs = (torch.arange(R, device=dev)[:, None] * CONTEXT + torch.arange(CONTEXT, device=dev)[None, :])
+    hit_pick = torch.rand(R, B, generator=g, device=dev).argsort(dim=1)[:, :H]
+    hits = tokens.gather(1, hit_pick)
+    in_table = torch.zeros(R, L - 1, dtype=torch.bool, device=dev)
+    in_table.scatter_(1, tokens, True)
+    miss_keys = torch.rand(R, L - 1, generator=g, device=dev).masked_fill(in_table, 2.0)
+    misses = miss_keys.topk(M, dim=1, largest=False).indices if M > 0 else tokens[:, :0]
+    newest = torch.full((R, 1), L - 1, dtype=torch.long, device=dev)
+    sel = torch.cat([hits, misses, newest], dim=1)
+    sel = sel.gather(1, torch.rand(R, TOP_K, generator=g, device=dev).argsort(dim=1)).to(torch.int32).contiguous()
+    host_kv = kv_view(bench.host, item)
+    device_kv = kv_view(bench.device_flat[: R * (B + 1) * item], item)
+    up_tokens = torch.cat([tokens.to(torch.int32), torch.full((R, 1), L - 1, dtype=torch.int32, device=dev)], dim=1)
+    return dict(
+        B=B, item=item, batch=batch, miss_frac=miss_frac, misses=M,
+        top_k_positions=sel,
+        seq_lens=torch.full((R,), L, dtype=torch.int64, device=dev),
+        req_pool_indices=torch.arange(R, dtype=torch.int64, device=dev),
+        hot_locs=hot, host_locs=host_locs.to(torch.int64), host_kv=host_kv, device_kv=device_kv,
+        tokens0=tokens.to(torch.int32).contiguous(), lru0=lru.contiguous(), up_tokens0=up_tokens.contiguous(),
+        num_real=torch.tensor([R], dtype=torch.int32, device=dev),
+    )
+
+
+class Ours:
+    def __init__(self, bench: Bench, cell: dict[str, Any], skip_io: bool, block: int = BLOCK,
+                 num_copiers: Optional[int] = None) -> None:
+        self.bench, self.cell, self.skip_io, self.block, self.num_copiers = bench, cell, skip_io, block, num_copiers
+        self.tokens = cell["tokens0"].clone()
+        self.lru = cell["lru0"].clone()
+        self.out = torch.empty_like(cell["top_k_positions"])
+
+    def restore(self) -> None:
+        self.tokens.copy_(self.cell["tokens0"])
+        self.lru.copy_(self.cell["lru0"])
+
+    def __call__(self) -> None:
+        c = self.cell
+        rcuda.resolve_cuda(
+            top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
+            hot_locs=c["hot_locs"], slot_tokens=self.tokens, lru=self.lru, host_locs=c["host_locs"],
+            host_kv=c["host_kv"], device_kv=c["device_kv"], out=self.out, num_real_reqs=c["num_real"],
+            device_buffer_size=c["B"], skip_io=self.skip_io, workspace=self.bench.ws, block_size=self.block,
+            num_copiers=self.num_copiers,
+        )
+
+
+class Upstream:
+    def __init__(self, fn: Callable[..., None], cell: dict[str, Any]) -> None:
+        self.fn, self.cell = fn, cell
+        self.tokens = cell["up_tokens0"].clone()
+        self.lru = cell["lru0"].clone()
+        self.out = torch.empty_like(cell["top_k_positions"])
+
+    def restore(self) -> None:
+        self.tokens.copy_(self.cell["up_tokens0"])
+        self.lru.copy_(self.cell["lru0"])
+
+    def __call__(self) -> None:
+        c = self.cell
+        self.fn(
+            c["top_k_positions"], self.tokens, c["host_locs"], c["hot_locs"], c["host_kv"], c["device_kv"], self.out,
+            c["req_pool_indices"], c["seq_lens"], self.lru, c["item"], TOP_K, c["B"], page_size=1, block_size=BLOCK,
+            num_real_reqs=c["num_real"],
+        )
+
+
+def check_ours(ours: Ours) -> bool:
+    """Our outputs, tables and copied rows equal the batched oracle's on this cell."""
+    c = ours.cell
+    ours.restore()
+    ours()
+    ref_tokens, ref_lru = c["tokens0"].clone(), c["lru0"].clone()
+    ref_out = torch.empty_like(ours.out)
+    ref_kv = torch.empty_like(c["device_kv"])
+    host_mirror = None if ours.skip_io else c["host_kv"]
+    resolve_batched(
+        top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
+        hot_locs=c["hot_locs"], slot_tokens=ref_tokens, lru=ref_lru, host_locs=c["host_locs"],
+        host_kv=c["host_kv"], device_kv=ref_kv, out=ref_out, num_real_reqs=c["batch"], device_buffer_size=c["B"],
+        skip_io=True,
+    )
+    ok = torch.equal(ours.out, ref_out) and torch.equal(ours.tokens, ref_tokens) and torch.equal(ours.lru, ref_lru)
+    if ok and host_mirror is not None:  # the miss rows now hold their host rows
+        miss = ~torch.isin(c["top_k_positions"].long(), torch.cat([c["tokens0"].long(), (c["seq_lens"] - 1)[:, None]], 1))
+        rows = ours.out[miss].long()
+        src = c["host_locs"].gather(1, c["top_k_positions"].long().clamp(min=0))[miss]
+        if rows.numel():
+            ok = torch.equal(c["device_kv"][rows].cpu().view(torch.uint8), host_mirror[src.cpu()].view(torch.uint8))
+    return bool(ok)
+
+
+def stats(times: list[float]) -> dict[str, float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    return {
+        "median_us": round(float(t.median()), 2),
+        "p10_us": round(float(t.quantile(0.1)), 2),
+        "p90_us": round(float(t.quantile(0.9)), 2),
+    }
+
+
+def load_upstream() -> tuple[Optional[Callable[..., None]], str]:
+    try:
+        from sglang.kernels.ops.kvcache.hisparse import load_cache_to_device_buffer_mla
+
+        return load_cache_to_device_buffer_mla, "sglang.kernels.ops.kvcache.hisparse.load_cache_to_device_buffer_mla"
+    except Exception as e:  # reported, not hidden
+        return None, f"upstream kernel unavailable: {type(e).__name__}: {e}"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    start = time.time()
+    deadline = start + args.budget_s
+    upstream, upstream_note = load_upstream()
+    log(f"[bench] upstream: {upstream_note}")
+    bench = Bench(max(args.batches), args.reps, args.warmup)
+    rows: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    sweep: list[dict[str, Any]] = []
+    try:
+        measure_grid(args, bench, upstream, deadline, rows, checks, skipped)
+    except KeyboardInterrupt:  # the suite's time limit: keep what was measured
+        log("[bench] interrupted: writing the rows measured so far")
+        skipped.append("interrupted")
+        deadline = 0.0
+    if args.sweep and time.time() < deadline:
+        try:
+            sweep = run_sweep(bench, deadline)
+        except KeyboardInterrupt:
+            log("[bench] sweep interrupted")
+    return {"rows": rows, "checks": checks, "skipped": skipped, "sweep": sweep, "upstream": upstream_note,
+            "seconds": round(time.time() - start, 1)}
+
+
+def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Callable[..., None]], deadline: float,
+                 rows: list[dict[str, Any]], checks: list[dict[str, Any]], skipped: list[str]) -> None:
+    """The main grid: ours, ours skip-IO and upstream on every cell (appends to the lists)."""
+    seed = 0
+    for B in args.Bs:
+        for item in args.items:
+            for batch in args.batches:
+                for miss in args.misses:
+                    tag = f"B={B} item={item} batch={batch} miss={miss}"
+                    if time.time() > deadline:
+                        skipped.append(tag)
+                        continue
+                    seed += 1
+                    cell = make_cell(bench, B, item, batch, miss, seed)
+                    impls: list[tuple[str, bool, Any]] = [("ours", False, Ours(bench, cell, False)),
+                                                           ("ours", True, Ours(bench, cell, True))]
+                    if upstream is not None:
+                        impls.append(("upstream", False, Upstream(upstream, cell)))
+                    line = [tag]
+                    for name, skip, impl in impls:
+                        try:
+                            st = stats(bench.time_call(impl, impl.restore))
+                        except Exception as e:
+                            log(f"[bench] {name} failed on {tag}: {e}")
+                            traceback.print_exc()
+                            if name == "upstream":
+                                continue
+                            raise
+                        rows.append({"impl": name, "B": B, "batch": batch, "miss_frac": miss, "item_bytes": item,
+                                     "skip_io": skip, **st})
+                        line.append(f"{name}{'(skip-IO)' if skip else ''} {st['median_us']:.1f}us")
+                    ok = check_ours(impls[0][2])
+                    agree = None
+                    if upstream is not None:
+                        try:
+                            up = impls[2][2]
+                            up.restore()
+                            up()
+                            agree = bool(torch.equal(up.out, impls[0][2].out))
+                        except Exception as e:
+                            log(f"[bench] upstream check failed on {tag}: {e}")
+                    checks.append({"cell": tag, "ours_matches_oracle": ok, "upstream_agrees_with_ours": agree})
+                    line.append(f"oracle {'ok' if ok else 'MISMATCH'}; upstream {'agrees' if agree else agree}")
+                    log("[bench] " + "; ".join(line))
+                    del cell, impls
+
+
+def run_sweep(bench: Bench, deadline: float) -> list[dict[str, Any]]:
+    """Copier CTAs and block size at B=4096, 1152 B (for docs/kernel.md's design choices)."""
+    out = []
+    plans = [(batch, miss, {"num_copiers": c}) for batch, miss in ((1, 0.13), (16, 0.13), (64, 0.13), (1, 1.0), (16, 0.0))
+             for c in (None, 0, 8, 32, 132, 264)]
+    plans += [(16, miss, {"block": b}) for miss in (0.0, 0.13) for b in (128, 256, 512, 960, 1024)]
+    seed = 1000
+    for batch, miss, knob in plans:
+        if time.time() > deadline:
+            break
+        seed += 1
+        cell = make_cell(bench, 4096, 1152, batch, miss, seed)
+        impl = Ours(bench, cell, False, **knob)
+        st = stats(bench.time_call(impl, impl.restore))
+        ok = check_ours(impl)
+        copiers = knob.get("num_copiers")
+        row = {"B": 4096, "item_bytes": 1152, "batch": batch, "miss_frac": miss,
+               "num_copiers": "auto" if copiers is None else copiers,
+               "block_size": knob.get("block", BLOCK), "verified": ok, **st}
+        out.append(row)
+        log(f"[sweep] batch {batch} miss {miss} {knob}: {st['median_us']:.1f}us {'ok' if ok else 'MISMATCH'}")
+    return out
+
+
+def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, miss: float, skip: bool) -> Optional[dict]:
+    for r in rows:
+        if (r["impl"], r["B"], r["item_bytes"], r["batch"], r["miss_frac"], r["skip_io"]) == (impl, B, item, batch, miss, skip):
+            return r
+    return None
+
+
+def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
+    rows = result["rows"]
+    lines = [
+        "# Resolve kernel benchmark (per layer call)", "",
+        f"Machine: {machine}  ", f"Command: `{command}`  ",
+        f"Upstream: {result['upstream']}  ",
+        "Median of CUDA-event timings with L2 flushed (p10-p90 in the JSON); top_k 2048; "
+        "IO rate = bytes copied / (ours - ours skip-IO); e2e rate = bytes / ours.", "",
+        "| B | item B | batch | miss | ours us | upstream us | upstream/ours | ours skip-IO us | IO GB/s | e2e GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for B in BS:
+        for item in ITEMS:
+            for batch in BATCHES:
+                for miss in MISSES:
+                    o = find(rows, "ours", B, item, batch, miss, False)
+                    if o is None:
+                        continue
+                    s = find(rows, "ours", B, item, batch, miss, True)
+                    u = find(rows, "upstream", B, item, batch, miss, False)
+                    nbytes = batch * n_misses(miss) * item
+                    io = e2e = None
+                    if nbytes:
+                        e2e = nbytes / (o["median_us"] * 1e3)
+                        if s and o["median_us"] > s["median_us"]:
+                            io = nbytes / ((o["median_us"] - s["median_us"]) * 1e3)
+                    cells = [str(B), str(item), str(batch), f"{miss:g}", f"{o['median_us']:.1f}"]
+                    cells += [f"{u['median_us']:.1f}", f"{u['median_us'] / o['median_us']:.2f}x"] if u else ["n/a", "n/a"]
+                    cells += [f"{s['median_us']:.1f}" if s else "n/a"]
+                    cells += [f"{io:.1f}" if io else "-", f"{e2e:.1f}" if e2e else "-"]
+                    lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Targets (B=4096, 1152 B)", ""]
+    for desc, B, item, batch, miss, limit in TARGETS:
+        o = find(rows, "ours", B, item, batch, miss, False)
+        if o is None:
+            lines.append(f"- {desc} <= {limit:g} us: not measured")
+            continue
+        verdict = "met" if o["median_us"] <= limit else "MISSED"
+        lines.append(f"- {desc} <= {limit:g} us: {o['median_us']:.1f} us, {verdict}")
+    for batch in BATCHES:
+        o = find(rows, "ours", 4096, 1152, batch, 0.13, False)
+        s = find(rows, "ours", 4096, 1152, batch, 0.13, True)
+        if o and s and o["median_us"] > s["median_us"]:
+            io = batch * n_misses(0.13) * 1152 / ((o["median_us"] - s["median_us"]) * 1e3)
+            lines.append(f"- IO rate >= {IO_TARGET_GBPS:g} GB/s at 13% misses, batch {batch}: {io:.1f} GB/s, "
+                         f"{'met' if io >= IO_TARGET_GBPS else 'MISSED'}")
+    bad = [c["cell"] for c in result["checks"] if not c["ours_matches_oracle"]]
+    lines += ["", f"Oracle check of our outputs on every cell: {'all match' if not bad else 'MISMATCH on ' + ', '.join(bad)}."]
+    disagree = [c["cell"] for c in result["checks"] if c["upstream_agrees_with_ours"] is False]
+    if any(c["upstream_agrees_with_ours"] is not None for c in result["checks"]):
+        lines.append(f"Upstream outputs equal ours on {'every cell' if not disagree else 'all but ' + ', '.join(disagree)}.")
+    if result["skipped"]:
+        lines.append(f"Skipped (time budget): {', '.join(result['skipped'])}.")
+    if result["sweep"]:
+        lines += ["", "## Sweep (B=4096, 1152 B)", "", "| batch | miss | copiers | block | median us | verified |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["sweep"]:
+            lines.append(f"| {r['batch']} | {r['miss_frac']:g} | {r['num_copiers']} | {r['block_size']} | "
+                         f"{r['median_us']:.1f} | {r['verified']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        return f"no plot: {e}"
+    fig, axes = plt.subplots(len(BS), len(ITEMS), figsize=(11, 8), squeeze=False)
+    colors = {0.0: "tab:green", 0.13: "tab:blue", 1.0: "tab:red"}
+    for bi, B in enumerate(BS):
+        for ii, item in enumerate(ITEMS):
+            ax = axes[bi][ii]
+            for miss in MISSES:
+                for impl, style in (("ours", "-"), ("upstream", "--")):
+                    pts = [(b, find(rows, impl, B, item, b, miss, False)) for b in BATCHES]
+                    pts = [(b, r["median_us"]) for b, r in pts if r]
+                    if pts:
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=colors[miss],
+                                label=f"{impl} {int(miss * 100)}% miss")
+                pts = [(b, find(rows, "ours", B, item, b, miss, True)) for b in BATCHES]
+                pts = [(b, r["median_us"]) for b, r in pts if r]
+                if pts and miss == 0.13:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", marker="x", color="gray", label="ours skip-IO")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"B={B}, {item} B rows")
+            ax.set_xlabel("batch")
+            ax.set_ylabel("us per layer call")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("RESOLVE per layer call, top_k 2048: ours (solid) vs SGLang 0.5.17 (dashed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Benchmark our resolve kernel against upstream SGLang's.")
+    parser.add_argument("--out", default=os.environ.get("HISPARSE_RESULTS_DIR", str(ROOT / "docs" / "results")))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--Bs", type=int, nargs="+", default=list(BS))
+    parser.add_argument("--items", type=int, nargs="+", default=list(ITEMS))
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    parser.add_argument("--misses", type=float, nargs="+", default=list(MISSES))
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    args = parser.parse_args()
+    if args.reps < 50:
+        log("[bench] note: fewer than 50 reps requested; the issue asks for >= 50")
+    if not torch.cuda.is_available():
+        log("[bench] no CUDA GPU: nothing to measure")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = os.environ.get("HISPARSE_BENCH_COMMAND", "python " + " ".join(sys.argv))
+    machine = machine_description()
+    t0 = time.time()
+    for item in args.items:  # build before timing (cached across runs)
+        for B in args.Bs:
+            rcuda.warmup_build(item, B, TOP_K, BLOCK)
+    log(f"[bench] kernels ready in {time.time() - t0:.1f}s")
+    result = run(args)
+    payload = {"machine": machine, "command": command, "rows": result["rows"], "checks": result["checks"],
+               "sweep": result["sweep"], "skipped": result["skipped"], "upstream": result["upstream"],
+               "method": "median/p10/p90 of CUDA-event timings per call; tables restored, L2 flushed and a "
+                         f"GPU spin before each call; {args.reps} reps after {args.warmup} warm-up; block 960",
+               "seconds": result["seconds"]}
+    write_json(out / "kernel_bench.json", payload)
+    md = report_markdown(result, machine, command)
+    (out / "kernel_bench.md").write_text(md)
+    note = plot(result["rows"], out / "kernel_bench.png")
+    if note:
+        log(f"[bench] {note}")
+    print(md)
+    bad = [c for c in result["checks"] if not c["ours_matches_oracle"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

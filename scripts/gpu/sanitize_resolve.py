@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""A small representative set of resolve / replay launches, for compute-sanitizer.
+
+Run as ``compute-sanitizer --tool memcheck python scripts/gpu/sanitize_resolve.py`` (or
+racecheck). Cases and the oracle are computed on the CPU and only copied to the GPU, so the
+sanitizer instruments almost nothing but our kernels. Covers block sizes 32 .. 1024, both item
+sizes, plan recording and replay, skip-IO, fast-path and padded rows, copier CTAs automatic, none
+(planners copy) and few. Every launch is also compared with the oracle. Exit status 1 on a
+mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HISPARSE_RESOLVE_SPIN_TIMEOUT_S", "60")  # instrumented kernels are slow
+
+import torch  # noqa: E402
+
+from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
+from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
+from sglang_hisparse.resolver.cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
+from sglang_hisparse.resolver.reference import MissPlan  # noqa: E402
+
+# (item, B, top_k, batch, num_real, block, copiers, plan, skip_io, hit_mode)
+CASES = [
+    (1152, 128, 64, 4, 4, 32, 0, True, False, "uniform"),
+    (656, 128, 64, 5, 3, 96, 0, False, False, "zero"),
+    (1152, 1024, 512, 3, 3, 256, 0, True, False, "uniform"),
+    (656, 512, 512, 2, 2, 1024, 0, True, True, "one"),
+    (1152, 4096, 2048, 2, 2, 960, 0, True, False, "fixed"),
+    (656, 256, 64, 6, 6, 640, 0, False, False, "uniform"),
+    # copier mode last (its CTAs wait on the planners')
+    (1152, 128, 64, 4, 4, 64, None, True, False, "uniform"),
+    (656, 1024, 512, 3, 2, 512, 3, False, False, "zero"),
+    (1152, 4096, 2048, 2, 2, 960, None, True, False, "fixed"),
+]
+
+
+def to_gpu(case, dev):
+    """GPU copies of the kernel-side tensors of a CPU case (host KV stays pinned on the CPU)."""
+    k = case.kernel
+    tok = case.slot_tokens_all["kernel"].to(dev)
+    lru = case.lru_all["kernel"].to(dev)
+    plan = None
+    if k["plan"] is not None:
+        plan = MissPlan(k["plan"].host_rows.to(dev), k["plan"].device_rows.to(dev), k["plan"].counts.to(dev))
+    inputs = {name: (v.to(dev) if isinstance(v, torch.Tensor) else v) for name, v in case.inputs.items()}
+    if case.spec.topk_row_pad == 0:
+        inputs["top_k_positions"] = inputs["top_k_positions"].contiguous()
+    return dict(
+        inputs,
+        slot_tokens=tok[case.spec.layer], lru=lru[case.spec.layer], out=k["out"].to(dev),
+        num_real_reqs=k["num_real_reqs"].to(dev), plan=plan,
+        counters=None if k["counters"] is None else k["counters"].to(dev),
+        host_kv=case.host_kv, device_kv=case.kernel_kv.to(dev),
+    ), tok, lru
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tool", default="sanitizer", help="label for the log")
+    parser.add_argument("--device", default="cuda", help="device of the kernel launches")
+    args = parser.parse_args()
+    dev = torch.device(args.device)
+    cpu = torch.device("cpu")
+    pool = HostPool(64 << 20, cpu, pin=dev.type == "cuda", seed=5)
+    kbuf = torch.empty(3 * 4097 * 1152 * 2, dtype=torch.uint8)
+    rbuf = torch.empty_like(kbuf)
+    ws = rcuda.make_workspace(8, dev, top_k=2048)
+    rng = random.Random(3)
+    failures = 0
+    for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode) in enumerate(CASES):
+        t0 = time.time()
+        spec = CaseSpec(item_bytes=item, B=B, top_k=K, num_reqs=batch, num_real=real, max_reqs=batch + 1, seed=n,
+                        hit_mode=hit_mode, hit_rate=0.87, short_frac=0.2, plan=plan, skip_io=skip, counters=True,
+                        block_size=block, num_copiers=copiers, seq_dtype=rng.choice([torch.int32, torch.int64]),
+                        rpi_dtype=rng.choice([torch.int32, torch.int64]))
+        case = make_case(spec, pool, kbuf, rbuf, cpu)
+        kw, tok, lru = to_gpu(case, dev)
+        rcuda.resolve_cuda(**kw, workspace=ws, block_size=block, num_copiers=copiers)
+        sync(dev)
+        # results back into the CPU case, then the oracle on the CPU
+        case.kernel["out"].copy_(kw["out"].cpu())
+        case.slot_tokens_all["kernel"].copy_(tok.cpu())
+        case.lru_all["kernel"].copy_(lru.cpu())
+        case.kernel_kv.copy_(kw["device_kv"].cpu())
+        if kw["plan"] is not None:
+            for a, b in ((case.kernel["plan"].host_rows, kw["plan"].host_rows),
+                         (case.kernel["plan"].device_rows, kw["plan"].device_rows),
+                         (case.kernel["plan"].counts, kw["plan"].counts)):
+                a.copy_(b.cpu())
+        if kw["counters"] is not None:
+            case.kernel["counters"].copy_(kw["counters"].cpu())
+        resolve_batched(**case.ref_kwargs())
+        bad = differences(case)
+        if kw["plan"] is not None:
+            kv2 = torch.zeros_like(kw["device_kv"])
+            rcuda.replay_plan_cuda(plan=kw["plan"], num_real_reqs=kw["num_real_reqs"], host_kv=case.host_kv,
+                                   device_kv=kv2, workspace=ws, block_size=rng.choice([32, 128, 512]), num_ctas=3)
+            sync(dev)
+            ref2 = torch.zeros_like(case.ref_kv)
+            replay_plan_batched(plan=case.ref["plan"], num_real_reqs=real, host_kv=case.host_mirror, device_kv=ref2)
+            if not torch.equal(kv2.cpu().reshape(-1).view(torch.uint8), ref2.reshape(-1).view(torch.uint8)):
+                bad.append("replay device_kv")
+        state = ws.state[[0, 32, 64, 96]].tolist()
+        if state != [0, 0, 0, 0]:
+            bad.append(f"workspace state {state}")
+        status = "ok" if not bad else f"MISMATCH {bad}"
+        print(f"[{args.tool}] case {n}: item {item} B {B} top_k {K} batch {batch}/{real} block {block} "
+              f"copiers {copiers} plan {plan} skip_io {skip}: {status} ({time.time() - t0:.1f}s)", flush=True)
+        if bad:
+            failures += 1
+            for x in bad:
+                if " " not in x:
+                    print(describe_difference(case, x), flush=True)
+    print(f"[{args.tool}] {len(CASES)} cases, {failures} mismatches", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""Random valid resolve cases, for the kernel tests, the sanitizer run and the benchmark.
+
+A case is one batch (one kernel launch) with fresh random per-request states that satisfy the
+reference's preconditions:
+
+* long requests (``seq_len > B``): ``B`` distinct slot positions below ``seq_len - 1``, some
+  slots empty (-1) at times; LRU a random permutation; selections distinct, with a controlled
+  share of hits (positions held by a slot) and misses (positions below ``seq_len - 1`` not held),
+  the newest position ``seq_len - 1`` at times, -1 padding at the end or interleaved at times;
+* short requests (``seq_len <= B``): slot tokens ``arange(B)`` and distinct selections below
+  ``seq_len``;
+* padded CUDA-graph rows (``i >= num_real_reqs``) hold garbage that must not be touched;
+* ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
+  random over the host pool.
+
+Every output the kernel may write is poisoned with values no real output can take, and the same
+poisoned state is handed to the kernel and to the reference, so an unwritten element or a stray
+write shows up as a difference. Everything is generated with torch ops on ``device`` from a
+``torch.Generator``, so a failing case is reproducible from its seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang_hisparse.resolver.reference import MissPlan
+
+BF16_ITEM_BYTES = 1152  # bf16 MLA row: 576 x 2 B
+FP8_ITEM_BYTES = 656  # FlashMLA FP8 row, stored as uint8
+
+
+def kv_view(flat: torch.Tensor, item_bytes: int) -> torch.Tensor:
+    """View a flat uint8 buffer as ``[rows, 1, dim]`` KV rows: bf16 for 1152-byte rows, else uint8."""
+    if item_bytes == BF16_ITEM_BYTES:
+        rows = flat.numel() // item_bytes
+        return flat[: rows * item_bytes].view(torch.bfloat16).view(rows, 1, item_bytes // 2)
+    rows = flat.numel() // item_bytes
+    return flat[: rows * item_bytes].view(rows, 1, item_bytes)
+
+
+class HostPool:
+    """Random bytes in (pinned) host memory, the host KV of every case, plus a device mirror.
+
+    Side effect: allocates ``nbytes`` of host memory (pinned when ``pin``) and, for a CUDA
+    ``device``, ``nbytes`` on the device.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device, pin: bool, seed: int = 0) -> None:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        mirror = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
+        if device.type == "cpu":
+            self.host = mirror if not pin else mirror.pin_memory()
+            self.mirror = self.host
+        else:
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.host.copy_(mirror)
+            self.mirror = mirror
+
+    def views(self, item_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host_kv, device mirror) as ``[rows, 1, dim]`` tensors of this row size."""
+        return kv_view(self.host, item_bytes), kv_view(self.mirror, item_bytes)
+
+
+@dataclass
+class CaseSpec:
+    """The knobs of one random case."""
+
+    item_bytes: int
+    B: int
+    top_k: int
+    num_reqs: int
+    num_real: int
+    max_reqs: int
+    seed: int
+    hit_mode: str = "uniform"  # "uniform" per request in [0, 1], "fixed", "zero", "one"
+    hit_rate: float = 0.87
+    short_frac: float = 0.15
+    pad_prob: float = 0.3
+    newest_prob: float = 0.5
+    empty_slot_prob: float = 0.2
+    interleave_pad_prob: float = 0.2
+    contiguous_host_prob: float = 0.5
+    seq_dtype: torch.dtype = torch.int64
+    rpi_dtype: torch.dtype = torch.int64
+    plan: bool = True
+    skip_io: bool = False
+    counters: bool = True
+    block_size: int = 960
+    num_copiers: Optional[int] = None
+    topk_row_pad: int = 0  # > 0: top_k_positions is a view with a wider row stride
+    layers: int = 2
+    layer: int = 1
+    hot_extra_cols: Optional[int] = None  # None: random in [1, 16]
+    out_extra_rows: Optional[int] = None  # None: random in [0, 3]
+
+    def describe(self) -> str:
+        d = dataclasses.asdict(self)
+        d["seq_dtype"] = str(self.seq_dtype).replace("torch.", "")
+        d["rpi_dtype"] = str(self.rpi_dtype).replace("torch.", "")
+        return " ".join(f"{k}={v}" for k, v in d.items())
+
+
+def random_spec(
+    rng: random.Random,
+    *,
+    item_bytes: int,
+    B: int,
+    top_k: int,
+    block_size: int,
+    max_batch: int = 128,
+    seed: int,
+) -> CaseSpec:
+    """A spec with random batch (log-uniform in [1, max_batch]), padding, hit regime, dtypes, modes."""
+    num_reqs = max(1, min(max_batch, int(round(2 ** rng.uniform(0, 7)))))
+    num_real = num_reqs if rng.random() < 0.7 else rng.randint(0, num_reqs)
+    hit_mode = rng.choice(["uniform", "uniform", "fixed", "zero", "one"])
+    copier_choice = rng.random()
+    return CaseSpec(
+        item_bytes=item_bytes,
+        B=B,
+        top_k=top_k,
+        num_reqs=num_reqs,
+        num_real=num_real,
+        max_reqs=num_reqs + rng.randint(0, 8),
+        seed=seed,
+        hit_mode=hit_mode,
+        hit_rate=rng.random(),
+        short_frac=rng.choice([0.0, 0.15, 0.5, 1.0]) if rng.random() < 0.3 else 0.15,
+        pad_prob=rng.choice([0.0, 0.3, 1.0]),
+        newest_prob=rng.choice([0.0, 0.5, 1.0]),
+        empty_slot_prob=rng.choice([0.0, 0.2]),
+        interleave_pad_prob=rng.choice([0.0, 0.5]),
+        contiguous_host_prob=rng.choice([0.0, 0.5, 1.0]),
+        seq_dtype=rng.choice([torch.int32, torch.int64]),
+        rpi_dtype=rng.choice([torch.int32, torch.int64]),
+        plan=rng.random() < 0.5,
+        skip_io=rng.random() < 0.15,
+        counters=rng.random() < 0.8,
+        block_size=block_size,
+        num_copiers=None if copier_choice < 0.6 else (0 if copier_choice < 0.85 else rng.randint(1, 8)),
+        topk_row_pad=rng.choice([0, 0, 0, 8]),
+    )
+
+
+@dataclass
+class Case:
+    """The tensors of one case: ``kernel`` and ``ref`` hold identical, independent copies of every
+    tensor the resolver may write; read-only inputs are shared."""
+
+    spec: CaseSpec
+    inputs: dict[str, Any]
+    kernel: dict[str, Any]
+    ref: dict[str, Any]
+    kernel_kv: torch.Tensor
+    ref_kv: torch.Tensor
+    device_rows: int
+    host_kv: torch.Tensor
+    host_mirror: torch.Tensor
+    slot_tokens_all: dict[str, torch.Tensor] = field(default_factory=dict)
+    lru_all: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        return dict(self.inputs, **self.kernel, host_kv=self.host_kv, device_kv=self.kernel_kv)
+
+    def ref_kwargs(self) -> dict[str, Any]:
+        return dict(self.inputs, **self.ref, host_kv=self.host_mirror, device_kv=self.ref_kv)
+
+
+def _distinct_below(gen: torch.Generator, rows: int, width: int, limit: torch.Tensor, count: int,
+                    exclude: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per row, ``count`` distinct ints in ``[0, limit[row])`` (not excluded), in random order;
+    rows with fewer candidates end with -1."""
+    dev = limit.device
+    keys = torch.rand(rows, width, generator=gen, device=dev)
+    bad = torch.arange(width, device=dev)[None, :] >= limit[:, None]
+    if exclude is not None:
+        bad |= exclude
+    keys = keys.masked_fill(bad, 2.0)
+    vals, idx = keys.topk(count, dim=1, largest=False)
+    return torch.where(vals < 2.0, idx, torch.full_like(idx, -1))
+
+
+def make_case(
+    spec: CaseSpec,
+    pool: HostPool,
+    kernel_buf: torch.Tensor,
+    ref_buf: torch.Tensor,
+    device: torch.device,
+) -> Case:
+    """Build one case. ``kernel_buf``/``ref_buf`` are flat uint8 device buffers of at least
+    ``max_reqs * (B + 1) * item_bytes`` bytes; the used region is poisoned identically in both."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(spec.seed)
+    B, K, R, n, n_real = spec.B, spec.top_k, spec.max_reqs, spec.num_reqs, spec.num_real
+    dev = device
+    ctx = 4 * B + 64  # host_locs columns (max context)
+    host_kv, mirror = pool.views(spec.item_bytes)
+    H = host_kv.shape[0]
+    assert H >= ctx, "host pool too small for the context"
+    D = R * (B + 1)
+    need = D * spec.item_bytes
+    assert kernel_buf.numel() >= need and ref_buf.numel() >= need, "device KV buffers too small"
+
+    def randint(lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=gen, device=dev)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen, device=dev)
+
+    # ---- per pool row: sequence length and tables ----
+    u = rand(R)
+    L = torch.where(u < spec.short_frac, randint(1, B + 1, (R,)), randint(B + 1, ctx + 1, (R,)))
+    b = rand(R)
+    L = torch.where(b < 0.05, torch.full_like(L, B), torch.where(b < 0.10, torch.full_like(L, B + 1), L))
+    short = L <= B
+
+    tokens = _distinct_below(gen, R, ctx, L - 1, B)  # long rows: B distinct positions < L - 1
+    empty = (rand(R, 1) < spec.empty_slot_prob) & (rand(R, B) < rand(R, 1))
+    tokens = torch.where(empty, -1, tokens)
+    tokens = torch.where(short[:, None], torch.arange(B, device=dev)[None, :].expand(R, B), tokens)
+    lru = rand(R, B).argsort(dim=1)
+    slot_tokens_all = randint(-1, 1 << 20, (spec.layers, R, B)).to(torch.int32)
+    lru_all = randint(0, B, (spec.layers, R, B)).to(torch.int16)
+    slot_tokens_all[spec.layer] = tokens.to(torch.int32)
+    lru_all[spec.layer] = lru.to(torch.int16)
+
+    extra = spec.hot_extra_cols if spec.hot_extra_cols is not None else 1 + int(randint(0, 16, (1,)).item())
+    hot = torch.randperm(D, generator=gen, device=dev).view(R, B + 1).to(torch.int32)
+    hot_locs = torch.cat([hot, randint(-(1 << 30), 1 << 30, (R, extra)).to(torch.int32)], dim=1)
+    contiguous = rand(R) < spec.contiguous_host_prob
+    base = randint(0, H - ctx + 1, (R,))
+    host_locs = torch.where(
+        contiguous[:, None],
+        base[:, None] + torch.arange(ctx, device=dev)[None, :],
+        randint(0, H, (R, ctx)),
+    )
+
+    # ---- the batch ----
+    r = torch.randperm(R, generator=gen, device=dev)[:n]
+    r = torch.cat([r[:n_real], randint(0, R, (n - n_real,))])  # padded rows may repeat real ones
+    Lb = L[r]
+    tok_b = tokens[r]
+    shortb = short[r]
+
+    pad = torch.where(rand(n) < spec.pad_prob, randint(0, K + 1, (n,)), torch.zeros(n, dtype=torch.long, device=dev))
+    newest_flag = (rand(n) < spec.newest_prob) & ~shortb
+    n_sel = (K - pad - newest_flag.long()).clamp(min=0)
+    filled = (tok_b >= 0).sum(1)
+    avail = (Lb - 1) - filled
+    if spec.hit_mode == "uniform":
+        hr = rand(n)
+    elif spec.hit_mode == "zero":
+        hr = torch.zeros(n, device=dev)
+    elif spec.hit_mode == "one":
+        hr = torch.ones(n, device=dev)
+    else:
+        hr = torch.full((n,), float(spec.hit_rate), device=dev)
+    target = torch.round(hr * n_sel).long()
+    hits = torch.minimum(torch.maximum(target, (n_sel - avail).clamp(min=0)), filled)
+    hits = torch.minimum(hits, n_sel)
+    misses = n_sel - hits
+
+    hit_order = rand(n, B).masked_fill(tok_b < 0, 2.0).argsort(dim=1)
+    hitcand = tok_b.gather(1, hit_order)[:, :K]
+    in_table = torch.zeros(n, ctx, dtype=torch.long, device=dev)
+    in_table.scatter_add_(1, tok_b.clamp(min=0), (tok_b >= 0).long())  # add: empties must not clear
+    in_table = in_table > 0
+    misscand = _distinct_below(gen, n, ctx, Lb - 1, K, exclude=in_table)
+    t = torch.arange(K, device=dev)[None, :]
+    hits_c, end_c = hits[:, None], (hits + misses)[:, None]
+    sel_long = torch.where(
+        t < hits_c,
+        hitcand,
+        torch.where(
+            t < end_c,
+            misscand.gather(1, (t - hits_c).clamp(0, K - 1)),
+            torch.where((t == end_c) & newest_flag[:, None], (Lb - 1)[:, None], -1),
+        ),
+    )
+    n_short = torch.minimum(K - pad, Lb).clamp(min=0)
+    short_cand = _distinct_below(gen, n, B, Lb.clamp(max=B), K)
+    sel_short = torch.where(t < n_short[:, None], short_cand, -1)
+    sel = torch.where(shortb[:, None], sel_short, sel_long)
+    order_keys = rand(n, K) + 2.0 * ((sel < 0) & (rand(n, 1) >= spec.interleave_pad_prob))
+    sel = sel.gather(1, order_keys.argsort(dim=1))
+    garbage = randint(-3, ctx + 5, (n, K))
+    real_rows = (torch.arange(n, device=dev) < n_real)[:, None]
+    sel = torch.where(real_rows, sel, garbage)
+    if spec.topk_row_pad > 0:
+        wide = randint(-5, 5, (n, K + spec.topk_row_pad)).to(torch.int32)
+        wide[:, :K] = sel.to(torch.int32)
+        top_k_positions = wide[:, :K]
+    else:
+        top_k_positions = sel.to(torch.int32).contiguous()
+    seq_lens = torch.where(real_rows[:, 0], Lb, randint(-5, 2 * ctx, (n,))).to(spec.seq_dtype)
+    rpi = r.to(spec.rpi_dtype)
+
+    # ---- outputs, poisoned (no real output is < -1) ----
+    poison = -int(randint(2, 1 << 30, (1,)).item())
+    out_rows = n + (spec.out_extra_rows if spec.out_extra_rows is not None else int(randint(0, 4, (1,)).item()))
+    out = torch.full((out_rows, K), poison, dtype=torch.int32, device=dev)
+    plan = None
+    if spec.plan:
+        plan = MissPlan(
+            host_rows=torch.full((R, K), poison - 1, dtype=torch.int64, device=dev),
+            device_rows=torch.full((R, K), poison - 2, dtype=torch.int32, device=dev),
+            counts=torch.full((R,), poison - 3, dtype=torch.int32, device=dev),
+        )
+    counters = randint(0, 1 << 20, (2,)) if spec.counters else None
+    byte = int(randint(0, 256, (1,)).item())
+    kernel_buf[:need].fill_(byte)
+    ref_buf[:need].fill_(byte)
+    kernel_kv = kv_view(kernel_buf[:need], spec.item_bytes)
+    ref_kv = kv_view(ref_buf[:need], spec.item_bytes)
+
+    def clone_plan(p: Optional[MissPlan]) -> Optional[MissPlan]:
+        if p is None:
+            return None
+        return MissPlan(p.host_rows.clone(), p.device_rows.clone(), p.counts.clone())
+
+    tok_k, tok_r = slot_tokens_all.clone(), slot_tokens_all.clone()
+    lru_k, lru_r = lru_all.clone(), lru_all.clone()
+    inputs = dict(
+        top_k_positions=top_k_positions,
+        seq_lens=seq_lens,
+        req_pool_indices=rpi,
+        hot_locs=hot_locs,
+        host_locs=host_locs,
+        device_buffer_size=B,
+        skip_io=spec.skip_io,
+    )
+    kernel = dict(
+        slot_tokens=tok_k[spec.layer], lru=lru_k[spec.layer], out=out.clone(),
+        num_real_reqs=torch.tensor([n_real], dtype=torch.int32, device=dev),
+        plan=clone_plan(plan), counters=None if counters is None else counters.clone(),
+    )
+    ref = dict(
+        slot_tokens=tok_r[spec.layer], lru=lru_r[spec.layer], out=out.clone(), num_real_reqs=n_real,
+        plan=clone_plan(plan), counters=None if counters is None else counters.clone(),
+    )
+    return Case(
+        spec=spec, inputs=inputs, kernel=kernel, ref=ref, kernel_kv=kernel_kv, ref_kv=ref_kv,
+        device_rows=D, host_kv=host_kv, host_mirror=mirror,
+        slot_tokens_all={"kernel": tok_k, "ref": tok_r}, lru_all={"kernel": lru_k, "ref": lru_r},
+    )
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def differences(case: Case) -> list[str]:
+    """Names of the outputs where kernel and reference differ (empty: identical)."""
+    bad = []
+    k, r = case.kernel, case.ref
+    if not torch.equal(k["out"], r["out"]):
+        bad.append("out")
+    if not torch.equal(case.slot_tokens_all["kernel"], case.slot_tokens_all["ref"]):
+        bad.append("slot_tokens")
+    if not torch.equal(case.lru_all["kernel"], case.lru_all["ref"]):
+        bad.append("lru")
+    if not _bytes_equal(case.kernel_kv, case.ref_kv):
+        bad.append("device_kv")
+    if k["plan"] is not None:
+        if not torch.equal(k["plan"].counts, r["plan"].counts):
+            bad.append("plan.counts")
+        if not torch.equal(k["plan"].host_rows, r["plan"].host_rows):
+            bad.append("plan.host_rows")
+        if not torch.equal(k["plan"].device_rows, r["plan"].device_rows):
+            bad.append("plan.device_rows")
+    if k["counters"] is not None and not torch.equal(k["counters"], r["counters"].to(k["counters"].device)):
+        bad.append("counters")
+    return bad
+
+
+def describe_difference(case: Case, name: str, limit: int = 8) -> str:
+    """A short human-readable account of where ``name`` differs."""
+    k, r = case.kernel, case.ref
+    pairs = {
+        "out": (k["out"], r["out"]),
+        "slot_tokens": (case.slot_tokens_all["kernel"], case.slot_tokens_all["ref"]),
+        "lru": (case.lru_all["kernel"], case.lru_all["ref"]),
+        "device_kv": (case.kernel_kv.reshape(case.kernel_kv.shape[0], -1).view(torch.uint8),
+                      case.ref_kv.reshape(case.ref_kv.shape[0], -1).view(torch.uint8)),
+        "counters": (k["counters"], r["counters"]),
+    }
+    if k["plan"] is not None:
+        pairs["plan.counts"] = (k["plan"].counts, r["plan"].counts)
+        pairs["plan.host_rows"] = (k["plan"].host_rows, r["plan"].host_rows)
+        pairs["plan.device_rows"] = (k["plan"].device_rows, r["plan"].device_rows)
+    a, b = pairs[name]
+    diff = (a != b)
+    if name == "device_kv":
+        diff = diff.any(dim=1)
+    idx = diff.nonzero()[:limit].tolist()
+    lines = [f"{name}: {int(diff.sum())} differing entries; first {len(idx)}:"]
+    for ix in idx:
+        t = tuple(ix)
+        if name == "device_kv":
+            lines.append(f"  row {t[0]}: kernel {a[t[0], :8].tolist()} ref {b[t[0], :8].tolist()}")
+        else:
+            lines.append(f"  {t}: kernel {a[t].item()} ref {b[t].item()}")
+    return "\n".join(lines)

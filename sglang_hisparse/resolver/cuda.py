@@ -1,0 +1,358 @@
+"""CUDA resolver: the fused RESOLVE kernel behind the reference resolver's call.
+
+``resolve_cuda`` has the keywords and meaning of :func:`reference.resolve_reference`; it launches
+one kernel (``kernels/resolve.cuh``) on the current CUDA stream and returns nothing (no host
+sync: the per-call stats of the reference are available through ``counters``).
+
+CUDA-graph rules: all scratch lives in a :class:`ResolveWorkspace` allocated once by
+:func:`make_workspace`; a call allocates nothing, reads ``num_real_reqs`` on the device, and picks
+its grid from shapes only, so a graph captured for one padded batch size replays correctly for any
+``num_real_reqs``. Call :func:`warmup_build` at start-up (before capture): it compiles the kernels
+(JIT, cached on disk) and sets their launch attributes.
+
+Concurrency rule: launches that share a workspace must be ordered on one stream (the kernel keeps
+inter-CTA counters in the workspace and resets them itself at the end of every launch).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from sglang_hisparse.resolver import jit
+from sglang_hisparse.resolver.reference import MissPlan
+
+# Workspace state words (int32); mirrors kState* in kernels/resolve.cuh.
+STATE_WORDS = 128
+STATE_ERRORS = 96
+
+MAX_SMEM_BYTES = 227 * 1024
+"""Dynamic shared memory a Hopper block may opt into."""
+
+MAX_SLOTS = 32767
+"""Slots and top-k indices are int16 in the kernel."""
+
+DEFAULT_REPLAY_CTAS = 8
+DEFAULT_REPLAY_BLOCK = 512
+DEFAULT_SPIN_TIMEOUT_S = 10.0
+
+
+def _align16(x: int) -> int:
+    return (x + 15) & ~15
+
+
+def planner_smem_bytes(device_buffer_size: int, top_k: int) -> int:
+    """Shared memory of one planner CTA; mirrors ``PlanLayout`` in ``kernels/resolve.cuh``."""
+    B, K = device_buffer_size, top_k
+    hash_size = 1
+    while hash_size < 2 * K:
+        hash_size <<= 1
+    off = _align16(4 * K)  # top-k positions
+    off = _align16(off + 4 * K)  # selection -> slot / miss code
+    off = _align16(off + 4 * B)  # slot tokens -> selection
+    off = _align16(off + 4 * (B + 1))  # hot locs
+    off = _align16(off + 2 * B)  # lru
+    union = _align16(off + 2 * K)  # victims
+    hash_end = _align16(_align16(union + 4 * hash_size) + 2 * hash_size)
+    phase2_end = _align16(_align16(union + 2 * B) + 8 * K)
+    return _align16(max(hash_end, phase2_end) + 4 * (3 * 32 + 8))
+
+
+def check_supported(item_bytes: int, device_buffer_size: int, top_k: int) -> None:
+    """Raise ValueError unless the kernel can be built for this configuration."""
+    if item_bytes <= 0 or item_bytes % 16 != 0:
+        raise ValueError(f"hisparse kernel: KV rows must be a positive multiple of 16 bytes, got {item_bytes}")
+    if not 1 <= top_k <= device_buffer_size <= MAX_SLOTS:
+        raise ValueError(
+            f"hisparse kernel: need 1 <= top_k ({top_k}) <= B ({device_buffer_size}) <= {MAX_SLOTS}"
+        )
+    smem = planner_smem_bytes(device_buffer_size, top_k)
+    if smem > MAX_SMEM_BYTES:
+        raise ValueError(
+            f"hisparse kernel: B={device_buffer_size}, top_k={top_k} needs {smem} B of shared memory "
+            f"per CTA (limit {MAX_SMEM_BYTES}); use a smaller device_buffer_size"
+        )
+
+
+def check_block_size(block_size: int) -> int:
+    if block_size % 32 != 0 or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"hisparse kernel: block_size must be a multiple of 32 in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+            f"got {block_size}"
+        )
+    return block_size
+
+
+@functools.lru_cache(maxsize=1)
+def spin_timeout_ns() -> int:
+    """How long a copier CTA waits for the planners before trapping (env
+    ``HISPARSE_RESOLVE_SPIN_TIMEOUT_S``, default 10 s; a healthy launch waits microseconds)."""
+    seconds = float(os.environ.get("HISPARSE_RESOLVE_SPIN_TIMEOUT_S", DEFAULT_SPIN_TIMEOUT_S))
+    return max(1, int(seconds * 1e9))
+
+
+@dataclass(frozen=True)
+class ResolveWorkspace:
+    """All scratch the kernels need, allocated once (fixed addresses for CUDA graphs).
+
+    Invariants: ``state`` words other than ``errors`` are zero between launches (the kernel resets
+    them); ``errors`` counts precondition violations the kernel met (it never faults on them),
+    so a healthy server keeps it at 0.
+    """
+
+    max_reqs: int
+    top_k: int
+    device: torch.device
+    state: torch.Tensor
+    """int32 [128]: planned (word 0), total_rows (32), exited (64), errors (96)."""
+    flat_host_rows: torch.Tensor
+    """int64 [max_reqs * top_k]: this launch's misses, host rows."""
+    flat_device_rows: torch.Tensor
+    """int32 [max_reqs * top_k]: this launch's misses, device rows."""
+    resolve_num_real: torch.Tensor
+    """int32 [1]: holds ``num_real_reqs`` when resolve_cuda is given an int."""
+    replay_num_real: torch.Tensor
+    """int32 [1]: the same for replay_plan_cuda (it may run on another stream)."""
+    empty_i64: torch.Tensor
+    empty_i32: torch.Tensor
+
+    @property
+    def errors(self) -> torch.Tensor:
+        """int32 [1] device view of the error count (read it off the critical path)."""
+        return self.state[STATE_ERRORS : STATE_ERRORS + 1]
+
+
+def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int = DEFAULT_TOP_K) -> ResolveWorkspace:
+    """Allocate the workspace for batches of up to ``max_reqs`` requests and ``top_k`` selections.
+
+    Side effect: allocates ``12 * max_reqs * top_k`` bytes (+ 1 KB) on ``device``.
+    """
+    if max_reqs < 1:
+        raise ValueError(f"make_workspace: max_reqs must be >= 1, got {max_reqs}")
+    if top_k < 1:
+        raise ValueError(f"make_workspace: top_k must be >= 1, got {top_k}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # tensors report cuda:N; compare like with like
+        device = torch.device("cuda", torch.cuda.current_device())
+    n = max_reqs * top_k
+    return ResolveWorkspace(
+        max_reqs=max_reqs,
+        top_k=top_k,
+        device=device,
+        state=torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
+        flat_host_rows=torch.zeros(n, dtype=torch.int64, device=device),
+        flat_device_rows=torch.zeros(n, dtype=torch.int32, device=device),
+        resolve_num_real=torch.zeros(1, dtype=torch.int32, device=device),
+        replay_num_real=torch.zeros(1, dtype=torch.int32, device=device),
+        empty_i64=torch.empty(0, dtype=torch.int64, device=device),
+        empty_i32=torch.empty(0, dtype=torch.int32, device=device),
+    )
+
+
+def kv_item_bytes(kv: torch.Tensor) -> int:
+    """Bytes per KV row of a ``[rows, ...]`` tensor."""
+    if kv.dim() < 1:
+        raise ValueError("hisparse kernel: KV tensors need a row dimension")
+    per_row = 1
+    for d in kv.shape[1:]:
+        per_row *= int(d)
+    return per_row * kv.element_size()
+
+
+_pinned_checked: set[int] = set()
+
+
+def _check_host_kv(host_kv: torch.Tensor) -> None:
+    if host_kv.device.type != "cpu":
+        raise ValueError(f"hisparse kernel: host_kv must be a pinned CPU tensor, got device {host_kv.device}")
+    ptr = host_kv.data_ptr()
+    if ptr in _pinned_checked:
+        return
+    if not host_kv.is_pinned():
+        raise ValueError("hisparse kernel: host_kv must be pinned (page-locked) so the GPU can read it")
+    _pinned_checked.add(ptr)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(f"hisparse kernel: {message}")
+
+
+def _check_rows_kv(kv: torch.Tensor, name: str) -> None:
+    _check(kv.dim() >= 1 and kv.stride(-1) == 1 and kv.stride(0) * kv.element_size() == kv_item_bytes(kv),
+           f"{name} rows must be contiguous")
+    _check(kv.data_ptr() % 16 == 0, f"{name} must be 16-byte aligned")
+
+
+def _check_table(t: torch.Tensor, dtype: torch.dtype, name: str, device: torch.device) -> None:
+    _check(t.dim() == 2 and t.dtype == dtype, f"{name} must be a 2-D {dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+    _check(t.device == device, f"{name} must be on {device}, got {t.device}")
+    _check(t.shape[1] <= 1 or t.stride(1) == 1, f"{name} rows must be contiguous")
+
+
+def _num_real_tensor(num_real_reqs: Union[int, torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
+    if isinstance(num_real_reqs, torch.Tensor):
+        _check(num_real_reqs.dtype == torch.int32 and num_real_reqs.numel() >= 1
+               and num_real_reqs.device == scratch.device,
+               f"num_real_reqs must be an int32 tensor on {scratch.device}")
+        return num_real_reqs
+    scratch.fill_(int(num_real_reqs))  # an int is baked into a captured graph: pass a tensor there
+    return scratch
+
+
+def resolve_cuda(
+    *,
+    top_k_positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    hot_locs: torch.Tensor,
+    slot_tokens: torch.Tensor,
+    lru: torch.Tensor,
+    host_locs: torch.Tensor,
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    out: torch.Tensor,
+    num_real_reqs: Union[int, torch.Tensor],
+    device_buffer_size: int,
+    skip_io: bool = False,
+    plan: Optional[MissPlan] = None,
+    counters: Optional[torch.Tensor] = None,
+    workspace: ResolveWorkspace,
+    block_size: Optional[int] = None,
+    num_copiers: Optional[int] = None,
+) -> None:
+    """Resolve one layer for a batch on the GPU (semantics: :func:`reference.resolve_reference`).
+
+    Side effects (all on the current stream, asynchronous): writes ``out[:num_real]``, the victims'
+    ``slot_tokens``, the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
+    ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
+
+    Args beyond the reference's:
+        workspace: from :func:`make_workspace` (``max_reqs >= num_reqs``, ``top_k >= top_k``).
+        block_size: threads per CTA, a multiple of 32 in [32, 1024] (default: the config's
+            ``swap_in_block_size``).
+        num_copiers: copier CTAs; None = automatic, 0 = each planner CTA copies its own misses.
+
+    Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
+    """
+    B = int(device_buffer_size)
+    block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
+    device = workspace.device
+    _check(top_k_positions.dim() == 2 and top_k_positions.dtype == torch.int32,
+           f"top_k_positions must be int32 [num_reqs, top_k], got {top_k_positions.dtype} {tuple(top_k_positions.shape)}")
+    _check(top_k_positions.device == device, f"top_k_positions must be on {device}")
+    num_reqs, top_k = int(top_k_positions.shape[0]), int(top_k_positions.shape[1])
+    _check(num_reqs <= workspace.max_reqs, f"batch of {num_reqs} exceeds the workspace's max_reqs={workspace.max_reqs}")
+    _check(top_k <= workspace.top_k, f"top_k={top_k} exceeds the workspace's top_k={workspace.top_k}")
+    for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices)):
+        _check(t.dim() == 1 and t.dtype in (torch.int32, torch.int64) and t.shape[0] >= num_reqs
+               and t.device == device, f"{name} must be int32/int64 [>= num_reqs] on {device}")
+    _check_table(hot_locs, torch.int32, "hot_locs", device)
+    _check_table(slot_tokens, torch.int32, "slot_tokens", device)
+    _check_table(lru, torch.int16, "lru", device)
+    _check_table(host_locs, torch.int64, "host_locs", device)
+    _check_table(out, torch.int32, "out", device)
+    _check(hot_locs.shape[1] >= B + 1, f"hot_locs needs >= B + 1 = {B + 1} columns, has {hot_locs.shape[1]}")
+    _check(slot_tokens.shape[1] == B and lru.shape[1] == B, f"slot_tokens and lru need B = {B} columns")
+    _check(out.shape[0] >= num_reqs and out.shape[1] == top_k, "out must be int32 [>= num_reqs, top_k]")
+    _check(device_kv.device == device, f"device_kv must be on {device}")
+    _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
+    item_bytes = kv_item_bytes(device_kv)
+    _check(kv_item_bytes(host_kv) == item_bytes, "host_kv and device_kv rows differ in size")
+    check_supported(item_bytes, B, top_k)
+    if not skip_io:
+        _check_host_kv(host_kv)
+        _check_rows_kv(host_kv, "host_kv")
+        _check_rows_kv(device_kv, "device_kv")
+    if plan is not None:
+        _check(plan.host_rows.dtype == torch.int64 and plan.device_rows.dtype == torch.int32
+               and plan.counts.dtype == torch.int32, "plan tensors must be int64 / int32 / int32")
+        _check(plan.host_rows.device == device and plan.device_rows.device == device and plan.counts.device == device,
+               f"plan tensors must be on {device}")
+        _check(plan.host_rows.dim() == 2 and plan.device_rows.dim() == 2 and plan.counts.dim() == 1
+               and plan.host_rows.shape[0] >= num_reqs and plan.device_rows.shape[0] >= num_reqs
+               and plan.counts.shape[0] >= num_reqs and plan.host_rows.shape[1] >= top_k
+               and plan.device_rows.shape[1] >= top_k, "plan must have >= num_reqs rows and >= top_k columns")
+        _check(plan.host_rows.stride(1) == 1 and plan.device_rows.stride(1) == 1 and plan.counts.stride(0) == 1,
+               "plan rows must be contiguous")
+    if counters is not None:
+        _check(counters.dtype == torch.int64 and counters.numel() >= 2 and counters.device == device
+               and counters.stride(0) == 1, f"counters must be a contiguous int64 [2] tensor on {device}")
+    if num_reqs == 0:
+        return
+    n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
+    module = jit.resolve_module(item_bytes, B, top_k)
+    fn = module.resolve_skip_io if skip_io else module.resolve
+    e64, e32 = workspace.empty_i64, workspace.empty_i32
+    fn(
+        top_k_positions, seq_lens, req_pool_indices, hot_locs, slot_tokens, lru, host_locs,
+        host_kv, device_kv, out, n_real,
+        plan.host_rows if plan is not None else e64,
+        plan.device_rows if plan is not None else e32,
+        plan.counts if plan is not None else e32,
+        counters if counters is not None else e64,
+        workspace.state, workspace.flat_host_rows, workspace.flat_device_rows,
+        block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
+    )
+
+
+def replay_plan_cuda(
+    *,
+    plan: MissPlan,
+    num_real_reqs: Union[int, torch.Tensor],
+    host_kv: torch.Tensor,
+    device_kv: torch.Tensor,
+    workspace: ResolveWorkspace,
+    block_size: Optional[int] = None,
+    num_ctas: Optional[int] = None,
+) -> None:
+    """Copy-only replay of a miss plan on another layer's buffers (semantics:
+    :func:`reference.replay_plan_reference`). Few CTAs (default 8 of 512 threads) so that it can
+    overlap compute on another stream; it shares only the error word of the workspace.
+
+    Side effects: writes ``device_kv`` rows ``plan.device_rows[i, :counts[i]]`` for real rows.
+    """
+    block = check_block_size(DEFAULT_REPLAY_BLOCK if block_size is None else int(block_size))
+    ctas = DEFAULT_REPLAY_CTAS if num_ctas is None else int(num_ctas)
+    _check(1 <= ctas <= 65535, f"num_ctas must be in [1, 65535], got {ctas}")
+    device = workspace.device
+    _check(plan.counts.device == device and plan.host_rows.device == device and plan.device_rows.device == device,
+           f"plan tensors must be on {device}")
+    _check(plan.host_rows.dtype == torch.int64 and plan.device_rows.dtype == torch.int32
+           and plan.counts.dtype == torch.int32, "plan tensors must be int64 / int32 / int32")
+    _check(device_kv.device == device, f"device_kv must be on {device}")
+    _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
+    item_bytes = kv_item_bytes(device_kv)
+    _check(kv_item_bytes(host_kv) == item_bytes, "host_kv and device_kv rows differ in size")
+    _check(item_bytes > 0 and item_bytes % 16 == 0, f"KV rows must be a multiple of 16 bytes, got {item_bytes}")
+    _check_host_kv(host_kv)
+    _check_rows_kv(host_kv, "host_kv")
+    _check_rows_kv(device_kv, "device_kv")
+    if plan.counts.numel() == 0:
+        return
+    n_real = _num_real_tensor(num_real_reqs, workspace.replay_num_real)
+    jit.replay_module(item_bytes).replay(
+        plan.host_rows, plan.device_rows, plan.counts, n_real, host_kv, device_kv, workspace.state, block, ctas
+    )
+
+
+def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_size: int) -> None:
+    """Build (or load from the JIT cache) every kernel a server with this configuration uses:
+    resolve with and without IO and the plan replay, concurrently; then, on a CUDA device, set
+    their launch attributes for ``block_size``. Call at start-up, before CUDA-graph capture.
+    """
+    check_supported(item_bytes, device_buffer_size, top_k)
+    check_block_size(block_size)
+    resolve_mod, _ = jit.build_all(
+        [
+            lambda: jit.resolve_module(item_bytes, device_buffer_size, top_k),
+            lambda: jit.replay_module(item_bytes),
+        ]
+    )
+    if torch.cuda.is_available():
+        resolve_mod.resolve_prepare(block_size)

@@ -1,0 +1,160 @@
+// Torch CPU extension that runs the device code of kernels/resolve.cuh on host threads
+// (cuda_emulation.h). Parameter plumbing mirrors the CUDA host wrappers of resolve.cuh; the grid
+// (planners + copiers) is the same. Test-only: see tests/test_kernel_emulation.py.
+
+#include <torch/extension.h>
+
+#define HISPARSE_EMULATE 1
+#include "resolve.cuh"
+
+#include <map>
+#include <tuple>
+
+namespace {
+
+using hisparse::PlanLayout;
+using hisparse::ReplayParams;
+using hisparse::ResolveParams;
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+struct Args {
+  torch::Tensor topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real;
+  torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev;
+  int64_t block, copiers;
+  bool concurrent;
+};
+
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+void run_resolve(const Args& a) {
+  const int64_t num_reqs = a.topk.size(0);
+  if (num_reqs == 0) return;
+  ResolveParams p{};
+  p.topk = ptr<const int32_t>(a.topk);
+  p.topk_stride = a.topk.stride(0);
+  p.seq_lens = a.seq_lens.data_ptr();
+  p.req_pool_indices = a.rpi.data_ptr();
+  p.seq_is_i64 = a.seq_lens.scalar_type() == torch::kInt64;
+  p.rpi_is_i64 = a.rpi.scalar_type() == torch::kInt64;
+  p.hot_locs = ptr<const int32_t>(a.hot);
+  p.hot_stride = a.hot.stride(0);
+  p.slot_tokens = ptr<int32_t>(a.tok);
+  p.tok_stride = a.tok.stride(0);
+  p.lru = ptr<int16_t>(a.lru);
+  p.lru_stride = a.lru.stride(0);
+  p.host_locs = ptr<const int64_t>(a.host_locs);
+  p.host_locs_stride = a.host_locs.stride(0);
+  p.max_context = a.host_locs.size(1);
+  p.table_rows = std::min({a.hot.size(0), a.tok.size(0), a.lru.size(0), a.host_locs.size(0)});
+  p.host_kv = reinterpret_cast<const uint8_t*>(a.host_kv.data_ptr());
+  p.host_rows = a.host_kv.size(0);
+  p.device_kv = reinterpret_cast<uint8_t*>(a.device_kv.data_ptr());
+  p.device_rows = a.device_kv.size(0);
+  p.out = ptr<int32_t>(a.out);
+  p.out_stride = a.out.stride(0);
+  p.num_real_reqs = ptr<const int32_t>(a.num_real);
+  p.num_reqs = static_cast<int32_t>(num_reqs);
+  p.has_plan = a.plan_counts.numel() > 0;
+  if (p.has_plan) {
+    p.plan_host = ptr<int64_t>(a.plan_host);
+    p.plan_host_stride = a.plan_host.stride(0);
+    p.plan_dev = ptr<int32_t>(a.plan_dev);
+    p.plan_dev_stride = a.plan_dev.stride(0);
+    p.plan_counts = ptr<int32_t>(a.plan_counts);
+  }
+  p.counters = a.counters.numel() > 0 ? ptr<int64_t>(a.counters) : nullptr;
+  p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
+  p.flat_host = ptr<int64_t>(a.flat_host);
+  p.flat_dev = ptr<int32_t>(a.flat_dev);
+  p.spin_timeout_ns = 60'000'000'000ull;
+  const int64_t copiers = kSkipIO ? 0 : (a.copiers >= 0 ? a.copiers : 3);
+  emu::launch(
+      static_cast<unsigned>(num_reqs + copiers), static_cast<unsigned>(a.block), PlanLayout<kB, kTopK>::kBytes,
+      [&p] { hisparse::resolve_kernel<kItemBytes, kB, kTopK, kSkipIO>(p); }, a.concurrent);
+}
+
+template <int kItemBytes>
+void run_replay(torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor num_real,
+                torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor state, int64_t block, int64_t ctas,
+                bool concurrent) {
+  ReplayParams p{};
+  p.plan_host = ptr<const int64_t>(plan_host);
+  p.plan_host_stride = plan_host.stride(0);
+  p.plan_dev = ptr<const int32_t>(plan_dev);
+  p.plan_dev_stride = plan_dev.stride(0);
+  p.plan_counts = ptr<const int32_t>(plan_counts);
+  p.plan_rows = static_cast<int32_t>(plan_counts.size(0));
+  p.plan_width = static_cast<int32_t>(plan_host.size(1));
+  p.num_real_reqs = ptr<const int32_t>(num_real);
+  p.host_kv = reinterpret_cast<const uint8_t*>(host_kv.data_ptr());
+  p.host_rows = host_kv.size(0);
+  p.device_kv = reinterpret_cast<uint8_t*>(device_kv.data_ptr());
+  p.device_rows = device_kv.size(0);
+  p.state = reinterpret_cast<uint32_t*>(state.data_ptr());
+  const size_t smem = hisparse::align16(4 * size_t(p.plan_rows + 1)) + 4 * 32;
+  emu::launch(static_cast<unsigned>(ctas), static_cast<unsigned>(block), smem,
+              [&p] { hisparse::replay_kernel<kItemBytes>(p); }, concurrent);
+}
+
+using ResolveFn = void (*)(const Args&);
+using Key = std::tuple<int, int, int, bool>;
+
+#define HISPARSE_EMU_CONFIG(I, B, K)                              \
+  {Key{I, B, K, false}, &run_resolve<I, B, K, false>}, {Key{I, B, K, true}, &run_resolve<I, B, K, true>}
+
+const std::map<Key, ResolveFn>& table() {
+  static const std::map<Key, ResolveFn> t = {
+      HISPARSE_EMU_CONFIG(1152, 13, 5),  HISPARSE_EMU_CONFIG(656, 13, 5),   HISPARSE_EMU_CONFIG(1152, 8, 8),
+      HISPARSE_EMU_CONFIG(656, 8, 8),    HISPARSE_EMU_CONFIG(1152, 32, 8),  HISPARSE_EMU_CONFIG(656, 32, 8),
+      HISPARSE_EMU_CONFIG(1152, 32, 32), HISPARSE_EMU_CONFIG(656, 32, 32),  HISPARSE_EMU_CONFIG(1152, 64, 32),
+      HISPARSE_EMU_CONFIG(656, 64, 32),  HISPARSE_EMU_CONFIG(1152, 64, 64), HISPARSE_EMU_CONFIG(656, 64, 64),
+      HISPARSE_EMU_CONFIG(1152, 256, 64), HISPARSE_EMU_CONFIG(656, 256, 64),
+  };
+  return t;
+}
+
+std::vector<std::tuple<int64_t, int64_t, int64_t>> configs() {
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
+  for (const auto& [k, fn] : table()) {
+    if (!std::get<3>(k)) out.emplace_back(std::get<0>(k), std::get<1>(k), std::get<2>(k));
+  }
+  return out;
+}
+
+void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor topk, torch::Tensor seq_lens,
+             torch::Tensor rpi, torch::Tensor hot, torch::Tensor tok, torch::Tensor lru, torch::Tensor host_locs,
+             torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
+             torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
+             torch::Tensor state, torch::Tensor flat_host, torch::Tensor flat_dev, int64_t block, int64_t copiers,
+             bool concurrent) {
+  const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
+  TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
+  it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
+                  plan_dev, plan_counts, counters, state, flat_host, flat_dev, block, copiers, concurrent});
+}
+
+void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts,
+            torch::Tensor num_real, torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor state,
+            int64_t block, int64_t ctas, bool concurrent) {
+  if (item == 1152) return run_replay<1152>(plan_host, plan_dev, plan_counts, num_real, host_kv, device_kv, state,
+                                            block, ctas, concurrent);
+  TORCH_CHECK(item == 656, "no emulated replay for item ", item);
+  run_replay<656>(plan_host, plan_dev, plan_counts, num_real, host_kv, device_kv, state, block, ctas, concurrent);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("resolve", &resolve);
+  m.def("replay", &replay);
+  m.def("configs", &configs);
+  m.def("planner_smem_bytes", [](int64_t B, int64_t K) -> int64_t {
+    if (B == 256 && K == 64) return PlanLayout<256, 64>::kBytes;
+    if (B == 64 && K == 32) return PlanLayout<64, 32>::kBytes;
+    if (B == 13 && K == 5) return PlanLayout<13, 5>::kBytes;
+    return -1;
+  });
+}

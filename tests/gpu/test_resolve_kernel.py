@@ -1,0 +1,256 @@
+"""The fused RESOLVE kernel against the batched oracle (itself checked against the loop
+reference in tests/test_resolver_cuda_python.py), on fresh random cases. Skips without CUDA.
+
+Coverage: top_k in {64, 512, 2048} x B in {k, 2k, 4k} x item sizes {1152, 656} x every block size
+32..1024 step 32 (the full cross product is visited every 576 cases), batch 1..128, seq_len below
+and above B, hit rates 0..100%, padded rows, -1 padding, newest included or not, int32/int64
+seq_lens and req_pool_indices, plan recording + copy-only replay, skip-IO, copier CTAs automatic /
+none (planners copy) / few, CUDA-graph capture and replay.
+
+Every case poisons all outputs, runs kernel and oracle on identical copies, and compares out,
+slot tokens (both layers), LRU (both layers), device KV bytes, plan and counters; the workspace
+must report no errors and hold zero counters after every launch.
+
+Env: HISPARSE_TEST_CASES (default 10000), HISPARSE_TEST_SECONDS (time cap, default 420; hitting
+it fails the test), HISPARSE_RESULTS_DIR (write kernel_tests.json there), HISPARSE_TEST_COMMAND.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
+from sglang_hisparse.resolver import jit  # noqa: E402
+from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
+from sglang_hisparse.resolver.cases import (  # noqa: E402
+    CaseSpec,
+    HostPool,
+    describe_difference,
+    differences,
+    make_case,
+    random_spec,
+)
+from sglang_hisparse.resolver.report import machine_description, results_dir, write_json  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+TOP_KS = (64, 512, 2048)
+CONFIGS = [(k, k * m) for k in TOP_KS for m in (1, 2, 4)]
+ITEMS = (1152, 656)
+BLOCKS = tuple(range(32, 1025, 32))
+MAX_BATCH = 128
+MAX_REQS = MAX_BATCH + 8
+POOL_BYTES = 1200 << 20
+
+
+def _combo(c: int) -> tuple[int, int, int, int]:
+    """(item_bytes, top_k, B, block) of case c: the full cross product every 576 cases."""
+    block = BLOCKS[c % len(BLOCKS)]
+    item, (k, b) = [(i, cfg) for i in ITEMS for cfg in CONFIGS][(c // len(BLOCKS)) % (len(ITEMS) * len(CONFIGS))]
+    return item, k, b, block
+
+
+@pytest.fixture(scope="module")
+def built() -> float:
+    """Build every module the cases use (concurrently; cached on disk by the JIT)."""
+    start = time.time()
+    jobs = [lambda i=i, k=k, b=b: jit.resolve_module(i, b, k) for i in ITEMS for k, b in CONFIGS]
+    jobs += [lambda i=i: jit.replay_module(i) for i in ITEMS]
+    jit.build_all(jobs)
+    return time.time() - start
+
+
+@pytest.fixture(scope="module")
+def env():
+    pool = HostPool(POOL_BYTES, DEVICE, pin=True, seed=20261130)
+    need = max(MAX_REQS * (b + 1) * item for item in ITEMS for _, b in CONFIGS)
+    kernel_buf = torch.empty(need, dtype=torch.uint8, device=DEVICE)
+    ref_buf = torch.empty(need, dtype=torch.uint8, device=DEVICE)
+    ws = rcuda.make_workspace(MAX_REQS, DEVICE, top_k=max(TOP_KS))
+    return pool, kernel_buf, ref_buf, ws
+
+
+def _state_ok(ws) -> tuple[bool, list[int]]:
+    words = ws.state[[0, 32, 64, 96]].tolist()
+    return words == [0, 0, 0, 0], words
+
+
+def _run_case(case, ws, rng: random.Random) -> list[str]:
+    spec = case.spec
+    rcuda.resolve_cuda(**case.kernel_kwargs(), workspace=ws, block_size=spec.block_size,
+                       num_copiers=spec.num_copiers)
+    resolve_batched(**case.ref_kwargs())
+    bad = differences(case)
+    ok, words = _state_ok(ws)
+    if not ok:
+        bad.append(f"workspace state {words} (planned, total_rows, exited, errors) after resolve")
+    if spec.plan:  # copy-only replay of the recorded plan onto freshly poisoned buffers
+        byte = rng.randrange(256)
+        case.kernel_kv.view(torch.uint8).fill_(byte)
+        case.ref_kv.view(torch.uint8).fill_(byte)
+        rcuda.replay_plan_cuda(plan=case.kernel["plan"], num_real_reqs=case.kernel["num_real_reqs"],
+                               host_kv=case.host_kv, device_kv=case.kernel_kv, workspace=ws,
+                               block_size=rng.choice(BLOCKS), num_ctas=rng.choice([1, 3, 8, 64]))
+        replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=case.host_mirror,
+                            device_kv=case.ref_kv)
+        if not torch.equal(case.kernel_kv.reshape(-1).view(torch.uint8), case.ref_kv.reshape(-1).view(torch.uint8)):
+            bad.append("replay device_kv")
+        ok, words = _state_ok(ws)
+        if not ok:
+            bad.append(f"workspace state {words} after replay")
+    return bad
+
+
+def _write_results(cases: int, failures: int, extra: dict) -> None:
+    out = results_dir()
+    if out is None:
+        return
+    path = out / "kernel_tests.json"
+    sanitizer = {"memcheck_errors": -1, "racecheck_hazards": -1}  # filled by scripts/gpu/sanitize_resolve.py
+    if path.exists():
+        import json
+
+        try:
+            sanitizer = json.loads(path.read_text()).get("sanitizer", sanitizer)
+        except ValueError:
+            pass
+    write_json(path, {
+        "machine": machine_description(),
+        "command": os.environ.get("HISPARSE_TEST_COMMAND", "pytest tests/gpu/test_resolve_kernel.py"),
+        "cases": cases,
+        "failures": failures,
+        "block_sizes": list(BLOCKS),
+        "sanitizer": sanitizer,
+        "details": extra,
+    })
+
+
+def test_kernel_matches_oracle_on_random_cases(built, env):
+    pool, kernel_buf, ref_buf, ws = env
+    n_cases = int(os.environ.get("HISPARSE_TEST_CASES", "10000"))
+    budget = float(os.environ.get("HISPARSE_TEST_SECONDS", "420"))
+    rng = random.Random(int(os.environ.get("HISPARSE_TEST_SEED", "1130")))
+    start = time.time()
+    done = failures = requests = 0
+    reports: list[str] = []
+    stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0}
+    error = None
+    try:
+        for c in range(n_cases):
+            if time.time() - start > budget:
+                break
+            item, k, b, block = _combo(c)
+            spec = random_spec(rng, item_bytes=item, B=b, top_k=k, block_size=block, max_batch=MAX_BATCH,
+                               seed=rng.randrange(1 << 62))
+            case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
+            bad = _run_case(case, ws, rng)
+            done += 1
+            requests += spec.num_reqs
+            stats["skip_io"] += spec.skip_io
+            stats["plan"] += spec.plan
+            stats["padded"] += spec.num_real < spec.num_reqs
+            stats["self_copy"] += spec.num_copiers == 0
+            stats["copiers"] += spec.num_copiers is None or spec.num_copiers > 0
+            if bad:
+                failures += 1
+                if len(reports) < 5:
+                    detail = [describe_difference(case, x) for x in bad if " " not in x]
+                    reports.append(f"case {c}: {bad}\n  {spec.describe()}\n" + "\n".join(detail))
+                    ws.state.zero_()  # keep going on a clean workspace
+                if failures >= 50:
+                    break
+    except Exception:
+        error = traceback.format_exc()
+        failures += 1
+        raise
+    finally:
+        elapsed = time.time() - start
+        _write_results(done, failures, {
+            "launches": done, "requests": requests, "configs": [[i, k, b] for i in ITEMS for k, b in CONFIGS],
+            "seconds": round(elapsed, 1), "jit_seconds": round(built, 1), "mode_counts": stats,
+            "first_failures": reports, "error": error,
+        })
+        print(f"\n[kernel tests] {done} cases ({requests} requests) in {elapsed:.0f}s, {failures} failures; "
+              f"JIT {built:.0f}s; {stats}")
+    assert not reports, "\n\n".join(reports)
+    assert done >= n_cases, f"only {done} of {n_cases} cases ran in the {budget:.0f}s budget"
+
+
+@pytest.mark.parametrize("num_copiers", [None, 0])
+def test_cuda_graph_capture_and_replay(built, env, num_copiers):
+    """Capture one launch per batch size, replay it with fresh states and varying num_real_reqs
+    (back to back, no host sync between replays): every replay must match the oracle."""
+    pool, kernel_buf, ref_buf, ws = env
+    rng = random.Random(7 + (num_copiers or 0))
+    base = dict(item_bytes=1152, B=4096, top_k=2048, num_reqs=16, num_real=16, max_reqs=20, hit_mode="fixed",
+                hit_rate=0.87, plan=True, counters=True, block_size=960, num_copiers=num_copiers,
+                hot_extra_cols=7, out_extra_rows=1, seq_dtype=torch.int64, rpi_dtype=torch.int32)
+    first = make_case(CaseSpec(seed=1, **base), pool, kernel_buf, ref_buf, DEVICE)
+    static = first.kernel_kwargs()
+    kw = dict(static, workspace=ws, block_size=960, num_copiers=num_copiers)
+    rcuda.resolve_cuda(**kw)  # warm-up outside capture (prepares the launch attributes)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            rcuda.resolve_cuda(**kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+    mutable = ("top_k_positions", "seq_lens", "req_pool_indices", "hot_locs", "host_locs", "out")
+    for it in range(12):
+        n_real = rng.choice([16, 16, 9, 1, 0])
+        case = make_case(CaseSpec(seed=100 + it, **dict(base, num_real=n_real)), pool, kernel_buf, ref_buf, DEVICE)
+        src = case.kernel_kwargs()
+        for name in mutable:
+            static[name].copy_(src[name])
+        static["slot_tokens"].copy_(src["slot_tokens"])
+        static["lru"].copy_(src["lru"])
+        static["num_real_reqs"].copy_(src["num_real_reqs"])
+        static["counters"].copy_(src["counters"])
+        for a, b in ((static["plan"].host_rows, src["plan"].host_rows), (static["plan"].device_rows, src["plan"].device_rows),
+                     (static["plan"].counts, src["plan"].counts)):
+            a.copy_(b)
+        # the device KV buffer is shared with the case (same region of kernel_buf)
+        graph.replay()
+        resolve_batched(**case.ref_kwargs())
+        # compare the captured tensors against the oracle
+        assert torch.equal(static["out"], case.ref["out"]), f"replay {it}: out"
+        assert torch.equal(static["slot_tokens"], case.ref["slot_tokens"]), f"replay {it}: slot_tokens"
+        assert torch.equal(static["lru"], case.ref["lru"]), f"replay {it}: lru"
+        assert torch.equal(static["counters"], case.ref["counters"]), f"replay {it}: counters"
+        assert torch.equal(static["plan"].counts, case.ref["plan"].counts), f"replay {it}: plan.counts"
+        assert torch.equal(static["plan"].host_rows, case.ref["plan"].host_rows), f"replay {it}: plan.host_rows"
+        assert torch.equal(static["plan"].device_rows, case.ref["plan"].device_rows), f"replay {it}: plan.device_rows"
+        assert torch.equal(case.kernel_kv.reshape(-1).view(torch.uint8), case.ref_kv.reshape(-1).view(torch.uint8)), \
+            f"replay {it}: device_kv"
+        ok, words = _state_ok(ws)
+        assert ok, f"replay {it}: workspace state {words}"
+
+
+def test_back_to_back_launches_reset_the_workspace(built, env):
+    """Many copier-mode launches queued without a host sync: each must start from zeroed counters."""
+    pool, kernel_buf, ref_buf, ws = env
+    spec = CaseSpec(item_bytes=656, B=1024, top_k=512, num_reqs=8, num_real=8, max_reqs=8, seed=3,
+                    hit_mode="fixed", hit_rate=0.5, plan=False, counters=True, block_size=256)
+    case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
+    kw = dict(case.kernel_kwargs(), workspace=ws, block_size=256, num_copiers=None)
+    rkw = case.ref_kwargs()
+    for _ in range(20):  # the states evolve step to step exactly as the oracle's
+        rcuda.resolve_cuda(**kw)
+        resolve_batched(**rkw)
+    assert not differences(case)
+    ok, words = _state_ok(ws)
+    assert ok, words

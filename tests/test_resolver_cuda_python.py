@@ -1,0 +1,346 @@
+"""The CUDA resolver's Python side, on CPU: the batched oracle against the loop reference,
+the case generator, argument validation, workspace shapes, dispatch rules and the JIT wiring
+(the kernel itself runs in tests/gpu)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.resolver import cuda, dispatch, jit
+from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched
+from sglang_hisparse.resolver.cases import (
+    CaseSpec,
+    HostPool,
+    differences,
+    make_case,
+    random_spec,
+)
+from sglang_hisparse.resolver.reference import MissPlan, replay_plan_reference, resolve_reference
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def pool() -> HostPool:
+    return HostPool(4 << 20, CPU, pin=False, seed=7)
+
+
+@pytest.fixture(scope="module")
+def bufs() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
+
+
+def _loop_vs_batched(case) -> list[str]:
+    """Run the loop reference on the case's 'kernel' copy and the batched one on its 'ref' copy."""
+    kw = case.kernel_kwargs()
+    kw["num_real_reqs"] = case.spec.num_real
+    resolve_reference(**kw)
+    resolve_batched(**case.ref_kwargs())
+    return differences(case)
+
+
+def test_batched_matches_loop_reference_on_random_cases(pool, bufs):
+    rng = random.Random(1234)
+    for seed in range(250):
+        K = rng.choice([1, 3, 8, 16, 32])
+        B = K * rng.choice([1, 2, 4]) + rng.choice([0, 0, 3])
+        spec = random_spec(rng, item_bytes=rng.choice([1152, 656, 32]), B=B, top_k=K, block_size=64,
+                           max_batch=12, seed=seed)
+        case = make_case(spec, pool, *bufs, CPU)
+        bad = _loop_vs_batched(case)
+        assert not bad, f"seed {seed}: {bad} differ ({spec.describe()})"
+
+
+@pytest.mark.parametrize("hit_mode", ["zero", "one", "fixed"])
+def test_batched_matches_loop_reference_at_hit_extremes(pool, bufs, hit_mode):
+    for seed in range(20):
+        spec = CaseSpec(item_bytes=1152, B=32, top_k=16, num_reqs=6, num_real=5, max_reqs=9, seed=seed,
+                        hit_mode=hit_mode, hit_rate=0.5, short_frac=0.0, plan=True, counters=True)
+        case = make_case(spec, pool, *bufs, CPU)
+        assert not _loop_vs_batched(case), spec.describe()
+
+
+def test_cases_satisfy_the_preconditions(pool, bufs):
+    rng = random.Random(99)
+    seen_long = seen_short = seen_hits = seen_misses = 0
+    for seed in range(60):
+        spec = random_spec(rng, item_bytes=1152, B=64, top_k=32, block_size=64, max_batch=10, seed=seed)
+        case = make_case(spec, pool, *bufs, CPU)
+        n = spec.num_real
+        pos = case.inputs["top_k_positions"][:n]
+        L = case.inputs["seq_lens"][:n].long()
+        r = case.inputs["req_pool_indices"][:n].long()
+        assert torch.unique(r).numel() == n
+        tokens = case.slot_tokens_all["ref"][spec.layer]
+        lru = case.lru_all["ref"][spec.layer]
+        for i in range(n):
+            sel = [p for p in pos[i].tolist() if p >= 0]
+            assert len(sel) == len(set(sel)) and all(p < L[i] for p in sel)
+            row = tokens[r[i]].tolist()
+            assert sorted(lru[r[i]].tolist()) == list(range(spec.B))
+            if L[i] > spec.B:
+                seen_long += 1
+                held = [t for t in row if t >= 0]
+                assert len(held) == len(set(held)) and all(t < L[i] - 1 for t in held)
+                chosen = [p for p in sel if p != L[i] - 1]
+                hits = sum(1 for p in chosen if p in set(held))
+                seen_hits += hits
+                seen_misses += len(chosen) - hits
+            else:
+                seen_short += 1
+                assert row == list(range(spec.B))
+    assert seen_long and seen_short and seen_hits and seen_misses
+
+
+@pytest.mark.parametrize("target", ["out", "slot_tokens", "lru", "device_kv", "plan", "counters"])
+def test_comparison_detects_one_wrong_element(pool, bufs, target):
+    spec = CaseSpec(item_bytes=656, B=32, top_k=16, num_reqs=4, num_real=4, max_reqs=6, seed=5,
+                    hit_mode="fixed", hit_rate=0.5, short_frac=0.0, plan=True, counters=True)
+    case = make_case(spec, pool, *bufs, CPU)
+    assert not _loop_vs_batched(case)
+    k = case.kernel
+    if target == "out":
+        k["out"][0, 0] += 1
+    elif target == "slot_tokens":
+        case.slot_tokens_all["kernel"][0, 0, 0] += 1
+    elif target == "lru":
+        case.lru_all["kernel"][spec.layer, 0, [0, 1]] = case.lru_all["kernel"][spec.layer, 0, [1, 0]]
+    elif target == "device_kv":
+        case.kernel_kv.view(torch.uint8)[3, 0, 100] ^= 1
+    elif target == "plan":
+        k["plan"].host_rows[0, 0] += 1
+    else:
+        k["counters"][1] += 1
+    assert differences(case)
+
+
+def test_replay_batched_matches_reference(pool):
+    host_kv, _ = pool.views(656)
+    plan = MissPlan(
+        host_rows=torch.randint(0, host_kv.shape[0], (5, 8)),
+        device_rows=torch.randperm(64)[:40].view(5, 8).to(torch.int32),
+        counts=torch.tensor([3, 0, 8, 1, 9], dtype=torch.int32),
+    )
+    a = torch.zeros(64, 1, 656, dtype=torch.uint8)
+    b = torch.zeros(64, 1, 656, dtype=torch.uint8)
+    replay_plan_reference(plan=plan, num_real_reqs=4, host_kv=host_kv, device_kv=a)
+    replay_plan_batched(plan=plan, num_real_reqs=torch.tensor([4], dtype=torch.int32), host_kv=host_kv, device_kv=b)
+    assert torch.equal(a, b) and int(a.sum()) > 0
+
+
+# ---- workspace, validation, configuration ----
+
+
+def test_make_workspace_shapes():
+    ws = cuda.make_workspace(7, "cpu", top_k=64)
+    assert ws.state.shape == (cuda.STATE_WORDS,) and ws.state.dtype == torch.int32 and int(ws.state.abs().sum()) == 0
+    assert ws.flat_host_rows.shape == (7 * 64,) and ws.flat_host_rows.dtype == torch.int64
+    assert ws.flat_device_rows.shape == (7 * 64,) and ws.flat_device_rows.dtype == torch.int32
+    assert ws.errors.shape == (1,) and ws.errors.data_ptr() == ws.state[cuda.STATE_ERRORS:].data_ptr()
+    assert ws.resolve_num_real.data_ptr() != ws.replay_num_real.data_ptr()
+    assert ws.max_reqs == 7 and ws.top_k == 64 and ws.device == CPU
+    with pytest.raises(ValueError):
+        cuda.make_workspace(0, "cpu")
+
+
+def test_planner_smem_matches_the_kernel_layout():
+    # PlanLayout<4096, 2048>: 8K top-k, 8K sel, 16K tokens, 16K+16 hot, 8K lru, 4K victims, union
+    # max(4096 * 6, 8K + 16K) = 24K, misc 416 -> 86448 bytes.
+    assert cuda.planner_smem_bytes(4096, 2048) == 86448
+    assert cuda.planner_smem_bytes(8192, 2048) <= cuda.MAX_SMEM_BYTES
+    cuda.check_supported(1152, 8192, 2048)
+    cuda.check_supported(656, 64, 64)
+    with pytest.raises(ValueError, match="shared memory"):
+        cuda.check_supported(1152, 32767, 2048)
+    with pytest.raises(ValueError, match="16 bytes"):
+        cuda.check_supported(1000, 4096, 2048)
+    with pytest.raises(ValueError, match="top_k"):
+        cuda.check_supported(1152, 1024, 2048)
+
+
+@pytest.mark.parametrize("block", [32, 64, 256, 960, 1024])
+def test_every_legal_block_size_is_accepted(block):
+    assert cuda.check_block_size(block) == block
+
+
+@pytest.mark.parametrize("block", [0, 16, 48, 1000, 1056, 2048])
+def test_illegal_block_sizes_are_refused(block):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cuda.check_block_size(block)
+
+
+def _valid_kwargs(B: int = 32, K: int = 16, n: int = 3, R: int = 4):
+    ws = cuda.make_workspace(R, "cpu", top_k=K)
+    kw = dict(
+        top_k_positions=torch.zeros(n, K, dtype=torch.int32),
+        seq_lens=torch.full((n,), 100, dtype=torch.int64),
+        req_pool_indices=torch.arange(n),
+        hot_locs=torch.zeros(R, B + 1, dtype=torch.int32),
+        slot_tokens=torch.zeros(R, B, dtype=torch.int32),
+        lru=torch.zeros(R, B, dtype=torch.int16),
+        host_locs=torch.zeros(R, 200, dtype=torch.int64),
+        host_kv=torch.zeros(10, 1, 576, dtype=torch.bfloat16),
+        device_kv=torch.zeros(10, 1, 576, dtype=torch.bfloat16),
+        out=torch.zeros(n, K, dtype=torch.int32),
+        num_real_reqs=torch.tensor([n], dtype=torch.int32),
+        device_buffer_size=B,
+        workspace=ws,
+    )
+    return kw
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda kw: kw.update(top_k_positions=kw["top_k_positions"].long()), "top_k_positions"),
+        (lambda kw: kw.update(seq_lens=kw["seq_lens"].float()), "seq_lens"),
+        (lambda kw: kw.update(req_pool_indices=kw["req_pool_indices"][:1]), "req_pool_indices"),
+        (lambda kw: kw.update(hot_locs=kw["hot_locs"][:, :32]), "B \\+ 1"),
+        (lambda kw: kw.update(slot_tokens=kw["slot_tokens"][:, :31]), "B = 32"),
+        (lambda kw: kw.update(lru=kw["lru"].int()), "lru"),
+        (lambda kw: kw.update(host_locs=kw["host_locs"].int()), "host_locs"),
+        (lambda kw: kw.update(out=kw["out"][:, :8]), "out"),
+        (lambda kw: kw.update(device_kv=torch.zeros(10, 1, 328, dtype=torch.uint8)), "one dtype"),
+        (lambda kw: kw.update(num_real_reqs=torch.tensor([3])), "num_real_reqs"),
+        (lambda kw: kw.update(counters=torch.zeros(2, dtype=torch.int32)), "counters"),
+        (lambda kw: kw.update(block_size=100), "multiple of 32"),
+        (lambda kw: kw.update(workspace=cuda.make_workspace(2, "cpu", top_k=16)), "max_reqs"),
+        (lambda kw: kw.update(workspace=cuda.make_workspace(4, "cpu", top_k=8)), "top_k"),
+        (lambda kw: kw.update(plan=MissPlan(torch.zeros(3, 16, dtype=torch.int64),
+                                            torch.zeros(3, 16, dtype=torch.int32),
+                                            torch.zeros(3, dtype=torch.int64))), "plan"),
+        (lambda kw: kw.update(plan=MissPlan(torch.zeros(3, 8, dtype=torch.int64),
+                                            torch.zeros(3, 8, dtype=torch.int32),
+                                            torch.zeros(3, dtype=torch.int32))), "plan"),
+        (lambda kw: None, "pinned"),  # CPU host_kv that is not page-locked
+    ],
+)
+def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, monkeypatch):
+    def no_build(*a, **k):
+        raise AssertionError("validation must fail before the JIT build")
+
+    monkeypatch.setattr(jit, "resolve_module", no_build)
+    kw = _valid_kwargs()
+    kw["skip_io"] = message != "pinned"  # CPU tensors are never pinned here: check IO args last
+    change(kw)
+    with pytest.raises(ValueError, match=message):
+        cuda.resolve_cuda(**kw)
+
+
+def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
+    calls = []
+
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            calls.append(args)
+
+        def resolve(self, *args):
+            raise AssertionError("skip_io must pick the skip-IO entry point")
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    kw = _valid_kwargs()
+    cuda.resolve_cuda(skip_io=True, **kw)
+    (args,) = calls
+    assert len(args) == 21
+    assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
+    assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
+
+
+def test_int_num_real_reqs_goes_through_the_workspace_scalar(monkeypatch):
+    seen = []
+
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            seen.append(args[10])
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    kw = _valid_kwargs()
+    kw["num_real_reqs"] = 2
+    cuda.resolve_cuda(skip_io=True, **kw)
+    assert seen[0].data_ptr() == kw["workspace"].resolve_num_real.data_ptr() and int(seen[0]) == 2
+
+
+def test_empty_batch_launches_nothing(monkeypatch):
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: (_ for _ in ()).throw(AssertionError("no launch")))
+    kw = _valid_kwargs(n=0)
+    cuda.resolve_cuda(skip_io=True, **kw)
+
+
+# ---- dispatch ----
+
+
+def test_dispatch_rules():
+    assert dispatch.choose_resolver("reference", "cpu") == "reference"
+    assert dispatch.choose_resolver("auto", "cpu") == "reference"
+    with pytest.raises(HiSparsePluginError, match="resolver=cuda"):
+        dispatch.choose_resolver("cuda", "cpu")
+    with pytest.raises(ValueError):
+        dispatch.choose_resolver("fast", "cpu")
+    if torch.version.cuda is not None and torch.version.hip is None:
+        assert dispatch.choose_resolver("auto", "cuda:0") == "cuda"
+        assert dispatch.choose_resolver("cuda", "cuda:0") == "cuda"
+        assert dispatch.choose_resolver("reference", "cuda:0") == "reference"
+
+
+def test_resolve_layer_reference_path_matches_reference(pool, bufs):
+    spec = CaseSpec(item_bytes=1152, B=32, top_k=16, num_reqs=3, num_real=3, max_reqs=4, seed=3, short_frac=0.0)
+    case = make_case(spec, pool, *bufs, CPU)
+    kw = case.kernel_kwargs()
+    kw["num_real_reqs"] = 3
+    dispatch.resolve_layer("reference", workspace=None, block_size=960, **kw)
+    resolve_batched(**case.ref_kwargs())
+    assert not differences(case)
+    with pytest.raises(ValueError, match="workspace"):
+        dispatch.resolve_layer("cuda", **kw)
+
+
+# ---- JIT wiring ----
+
+
+def test_kernel_source_ships_with_the_package():
+    from sglang_hisparse.kernels import source_dir
+
+    assert jit.kernel_source() == source_dir() / "resolve.cuh"
+    text = jit.kernel_source().read_text()
+    for _, fn in jit.resolve_wrappers(1152, 4096, 2048) + jit.replay_wrappers(656):
+        assert fn.split("<")[0].split("::")[1] in text
+
+
+def test_module_names_carry_every_template_parameter():
+    wrappers = dict(jit.resolve_wrappers(656, 2048, 512))
+    assert wrappers["resolve"] == "hisparse::resolve<656, 2048, 512, false>"
+    assert wrappers["resolve_skip_io"] == "hisparse::resolve<656, 2048, 512, true>"
+    assert wrappers["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512>"
+    assert jit.resolve_module_name(656, 2048, 512) == "hisparse_resolve_656_2048_512"
+    assert dict(jit.replay_wrappers(1152))["replay"] == "hisparse::replay<1152>"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch):
+    """Builds the sm_90a module with SGLang's loader (no GPU needed) and calls an entry point
+    with bad arguments: the C++ checks must raise before any CUDA call."""
+    from sglang.kernels.jit.utils import override_jit_cuda_arch
+
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "9.0a")
+    jit.resolve_module.cache_clear()
+    try:
+        with override_jit_cuda_arch(9, 0):
+            module = jit.resolve_module(656, 128, 64)
+    except RuntimeError as e:
+        if "cannot find -lcudart" in str(e):
+            pytest.skip("no CUDA runtime library to link against on this machine")
+        raise
+    finally:
+        jit.resolve_module.cache_clear()
+    bad = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(Exception, match="top_k_positions"):
+        module.resolve(bad, *([torch.zeros(1)] * 17), 960, -1, 0)
+    with pytest.raises(Exception, match="block size"):
+        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 17), 48, -1, 0)
