@@ -6,7 +6,7 @@ model (sglang_hisparse/testing/models/tiny-dsa), drives them with token-id reque
 by PID and writes a JSON fragment; scripts/gpu/collect.py merges fragments into
 docs/results/e2e_gpu.json.
 
-    python scripts/gpu/e2e.py exactness --impl ours --buffer 4096 --graph 1 --out $OUT/x.json
+    python scripts/gpu/e2e.py exactness --configs ours:4096:1,ours:2048:1 --out $OUT/x.json
     python scripts/gpu/e2e.py throughput --impls none,ours --concurrency 1,8,32 --out $OUT/t.json
 
 Implementations: ``none`` (no HiSparse), ``ours`` (this plugin), ``upstream`` (SGLang's own
@@ -40,7 +40,7 @@ def flags(graph: bool, max_total_tokens: int, max_running: int) -> list[str]:
         "--trust-remote-code", "--kv-cache-dtype", "bfloat16", "--mem-fraction-static", "0.4",
         "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
         "--dsa-topk-backend", "torch", "--context-length", "65536", "--grammar-backend", "none",
-        "--max-running-requests", str(max_running), "--decode-log-interval", "16",
+        "--max-running-requests", str(max_running), "--decode-log-interval", "1",
     ]
     if graph:
         args += ["--cuda-graph-max-bs", str(min(max(max_running, 8), 128)), "--cuda-graph-backend-prefill", "disabled"]
@@ -89,7 +89,7 @@ def exactness_workload(server: Server, new_tokens: int) -> dict:
 
     def second_wave(i: int) -> None:
         try:
-            out = server.generate(wave2[i], new_tokens if i not in ABORTED else 4 * new_tokens, rid=rids[i])
+            out = server.generate(wave2[i], new_tokens if i not in ABORTED else 16 * new_tokens, rid=rids[i])
             results[f"w2-{i}"] = out
         except Exception as e:  # noqa: BLE001 - recorded
             results[f"w2-{i}"] = {"error": repr(e)}
@@ -102,12 +102,16 @@ def exactness_workload(server: Server, new_tokens: int) -> dict:
     t1 = threading.Thread(target=first_wave)
     t1.start()
     deadline = time.time() + 300
-    while "Decode batch" not in server.log() and time.time() < deadline:
-        time.sleep(0.2)
+    while "Decode batch" not in server.log() and time.time() < deadline:  # logged every step
+        time.sleep(0.05)
     threads = [threading.Thread(target=second_wave, args=(i,)) for i in range(len(wave2))]
     for t in threads:
         t.start()
-    time.sleep(3.0)
+    # abort once the aborted requests decode (their output would otherwise run 16x longer)
+    deadline = time.time() + 120
+    while server.log().count("Decode batch") < 40 and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     for i in ABORTED:
         server.abort(rids[i])
     t1.join()
@@ -116,41 +120,63 @@ def exactness_workload(server: Server, new_tokens: int) -> dict:
     return results
 
 
-def exactness(args) -> dict:
-    log_dir = LOG_DIR
-    common = dict(buffer=args.buffer, ratio=args.ratio, graph=bool(args.graph), max_total_tokens=args.max_total_tokens,
-                  max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=log_dir)
-    outputs, reports = {}, {}
-    for impl in ("none", args.impl):
-        t = time.time()
-        server = launch(impl, **common)
-        print(f"[e2e] {impl} B={args.buffer} graph={args.graph}: up in {time.time() - t:.0f}s", flush=True)
-        try:
-            before = len(server.idle_reports())
-            t = time.time()
-            outputs[impl] = exactness_workload(server, args.new_tokens)
-            print(f"[e2e] {impl}: workload {time.time() - t:.0f}s", flush=True)
-            if impl == "ours":
-                reports[impl] = wait_for_idle_report(server, after=before)
-        finally:
-            server.stop()
-    base, test = outputs["none"], outputs[args.impl]
-    compared = [k for k in base if not (k.startswith("w2-") and int(k.split("-")[1]) in ABORTED)]
+def compare(base: dict, test: dict) -> tuple[list, list]:
+    """(names compared, first differing token index per name: None = identical, -1 = missing)."""
+    names = sorted(k for k in base if not (k.startswith("w2-") and int(k.split("-")[1]) in ABORTED))
     first_diff = []
-    for k in sorted(compared):
+    for k in names:
         a, b = base[k].get("output_ids"), test.get(k, {}).get("output_ids")
         if a is None or b is None:
             first_diff.append(-1)
+        elif a == b:
+            first_diff.append(None)
+        else:
+            first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    return names, first_diff
+
+
+def run_workload(impl: str, buffer: int, graph: bool, args) -> tuple[dict, object]:
+    t = time.time()
+    server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
+                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR)
+    print(f"[e2e] {impl} B={buffer} graph={int(graph)}: up in {time.time() - t:.0f}s", flush=True)
+    try:
+        before = len(server.idle_reports())
+        t = time.time()
+        outputs = exactness_workload(server, args.new_tokens)
+        print(f"[e2e] {impl} B={buffer} graph={int(graph)}: workload {time.time() - t:.0f}s", flush=True)
+        report = wait_for_idle_report(server, after=before) if impl == "ours" else None
+        return outputs, report
+    finally:
+        server.stop()
+
+
+def exactness(args) -> dict:
+    """Configs ``impl:B:graph`` (e.g. ours:4096:1); one baseline run per graph setting, then each
+    config compared with it. Stops starting servers when the budget would be exceeded and writes
+    the rows it has after every config."""
+    t0 = time.time()
+    configs = [(c.split(":")[0], int(c.split(":")[1]), bool(int(c.split(":")[2]))) for c in args.configs.split(",")]
+    rows, baselines = [], {}
+    for impl, buffer, graph in configs:
+        if time.time() - t0 > args.budget_s - 150:
+            rows.append({"impl": impl, "B": buffer, "cuda_graph": graph, "skipped": "time budget"})
             continue
-        first_diff.append(None if a == b else next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-    row = {
-        "impl": args.impl, "B": args.buffer, "cuda_graph": bool(args.graph), "sequences": len(compared),
-        "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
-        "aborted_finish": [test.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
-        "idle_report": reports.get("ours"),
-    }
-    print(json.dumps({k: v for k, v in row.items() if k != "idle_report"}), flush=True)
-    return {"exactness": [row]}
+        try:
+            if graph not in baselines:
+                baselines[graph], _ = run_workload("none", buffer, graph, args)
+            outputs, report = run_workload(impl, buffer, graph, args)
+            names, first_diff = compare(baselines[graph], outputs)
+            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "sequences": len(names),
+                   "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
+                   "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
+                   "idle_report": report}
+        except Exception as e:  # noqa: BLE001 - record and go on with the next config
+            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "error": repr(e)[:2000]}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "idle_report"}), flush=True)
+        Path(args.out).write_text(json.dumps({"exactness": rows}, indent=1))
+    return {"exactness": rows}
 
 
 # --- throughput --------------------------------------------------------------------------------
@@ -191,10 +217,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("exactness")
-    e.add_argument("--impl", choices=["ours", "upstream"], required=True)
-    e.add_argument("--buffer", type=int, default=4096)
+    e.add_argument("--configs", default="ours:4096:1", help="impl:B:graph, comma separated")
     e.add_argument("--ratio", type=int, default=4)
-    e.add_argument("--graph", type=int, default=1)
+    e.add_argument("--budget-s", type=float, default=540)
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
     e.add_argument("--out", required=True)

@@ -4,7 +4,7 @@
 # Runs on the H200 test machine from the repository root, with `carry: [".site"]` holding
 #   .site/site.tar.xz          SGLang 0.5.17 and what the image lacks (scripts/gpu/build_site.sh)
 #   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
-#   .site/jitcache.tar.xz      optional: JIT caches brought back by an earlier call
+#   .jit/jitcache.tar.xz       optional: JIT caches brought back by an earlier call (carry .jit)
 # Usage: bash scripts/gpu/run.sh <job> [args...]
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
@@ -19,9 +19,11 @@ if [ ! -f /tmp/site/.ok ]; then
     || { log "cannot install our wheel"; exit 2; }
   touch /tmp/site/.ok
 fi
-if [ -f .site/jitcache.tar.xz ] && [ ! -d /tmp/jit ]; then
-  mkdir -p /tmp/jit && python3 -c "import tarfile; tarfile.open('.site/jitcache.tar.xz').extractall('/tmp/jit')" && log "restored JIT cache"
-fi
+for cache in .jit/jitcache.tar.xz .site/jitcache.tar.xz; do
+  if [ -f "$cache" ]; then
+    mkdir -p /tmp/jit && python3 -c "import tarfile; tarfile.open('$cache').extractall('/tmp/jit')" && log "restored JIT cache $cache"
+  fi
+done
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm SGLANG_DG_CACHE_DIR=/tmp/jit/deep_gemm
 export TRITON_CACHE_DIR=/tmp/jit/triton FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer SGLANG_CACHE_DIR=/tmp/jit/sglang

@@ -59,11 +59,17 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def generate(self, input_ids: Any, max_new_tokens: int, timeout: float = 1800, **sampling: Any) -> Any:
-        """POST /generate with token ids (one list or a list of lists); greedy by default."""
+    def generate(
+        self, input_ids: Any, max_new_tokens: int, timeout: float = 1800, rid: Optional[str] = None, **sampling: Any
+    ) -> Any:
+        """POST /generate with token ids (one list or a list of lists); greedy by default.
+        ``rid`` names the request (for /abort_request); other keywords are sampling params."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
         params.update(sampling)
-        return post_json(f"{self.url}/generate", {"input_ids": input_ids, "sampling_params": params}, timeout)
+        body = {"input_ids": input_ids, "sampling_params": params}
+        if rid is not None:
+            body["rid"] = rid
+        return post_json(f"{self.url}/generate", body, timeout)
 
     def abort(self, rid: str) -> None:
         post_json(f"{self.url}/abort_request", {"rid": rid}, 30)
@@ -103,7 +109,8 @@ class Server:
 def post_json(url: str, body: dict, timeout: float) -> Any:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+        body = response.read()
+    return json.loads(body) if body.strip() else None  # /abort_request answers 200 with no body
 
 
 def server_env(*, cpu: bool, extra: Optional[dict[str, str]] = None) -> dict[str, str]:
