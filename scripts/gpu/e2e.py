@@ -99,17 +99,22 @@ def exactness_workload(server: Server, new_tokens: int) -> dict:
         for i, o in enumerate(outs):
             results[f"w1-{i}"] = o
 
+    decodes_before = server.log().count("Decode batch")  # warm-up requests decode too
+
+    def decodes() -> int:
+        return server.log().count("Decode batch") - decodes_before
+
     t1 = threading.Thread(target=first_wave)
     t1.start()
     deadline = time.time() + 300
-    while "Decode batch" not in server.log() and time.time() < deadline:  # logged every step
+    while decodes() < 1 and time.time() < deadline:  # logged every step
         time.sleep(0.05)
     threads = [threading.Thread(target=second_wave, args=(i,)) for i in range(len(wave2))]
     for t in threads:
         t.start()
     # abort once the aborted requests decode (their output would otherwise run 16x longer)
     deadline = time.time() + 120
-    while server.log().count("Decode batch") < 40 and time.time() < deadline:
+    while decodes() < 40 and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(0.5)
     for i in ABORTED:
@@ -184,13 +189,20 @@ def throughput(args) -> dict:
     log_dir = LOG_DIR
     rows = []
     levels = [int(c) for c in args.concurrency.split(",")]
+    t_start = time.time()
     for impl in args.impls.split(","):
+        if time.time() - t_start > args.budget_s - 150:
+            rows.append({"impl": impl, "skipped": "time budget"})
+            continue
         t = time.time()
         server = launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True, max_total_tokens=args.max_total_tokens,
                         max_running=max(levels), log_dir=log_dir)
         print(f"[e2e] {impl}: up in {time.time() - t:.0f}s", flush=True)
         try:
             for c in levels:
+                if time.time() - t_start > args.budget_s - 30:
+                    rows.append({"impl": impl, "concurrency": c, "skipped": "time budget"})
+                    continue
                 batch = prompts([args.context] * c, seed=10 + c)
                 before = len(server.idle_reports())
                 t0 = time.time()
@@ -208,6 +220,9 @@ def throughput(args) -> dict:
                        "tpot_ms": 1000 * decode_s / (args.new_tokens - 1), "miss_rate": miss_rate}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                Path(args.out).write_text(json.dumps({"throughput": rows}, indent=1))
+        except Exception as e:  # noqa: BLE001 - record and go on with the next implementation
+            rows.append({"impl": impl, "error": repr(e)[:2000]})
         finally:
             server.stop()
     return {"throughput": rows}
@@ -231,6 +246,7 @@ def main() -> int:
     t.add_argument("--buffer", type=int, default=4096)
     t.add_argument("--ratio", type=int, default=8)
     t.add_argument("--max-total-tokens", type=int, default=262144)
+    t.add_argument("--budget-s", type=float, default=540)
     t.add_argument("--out", required=True)
     args = parser.parse_args()
     result = exactness(args) if args.cmd == "exactness" else throughput(args)

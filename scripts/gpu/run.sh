@@ -4,11 +4,11 @@
 # Runs on the H200 test machine from the repository root, with `carry: [".site"]` holding
 #   .site/site.tar.xz          SGLang 0.5.17 and what the image lacks (scripts/gpu/build_site.sh)
 #   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
-#   .jit/jitcache.tar.xz       optional: JIT caches brought back by an earlier call (carry .jit)
+#   .jit/*.tar.xz              optional: JIT caches brought back by an earlier call (carry .jit)
 # Usage: bash scripts/gpu/run.sh <job> [args...]
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
-# Writes under $OUT: the job's files, run.log, jitcache.tar.xz (if the caches fit in 15 MB).
+# Writes under $OUT: the job's files, run.log, logs.tar.xz, jit-<cache>.tar.xz (those under 15.5 MB).
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -19,7 +19,7 @@ if [ ! -f /tmp/site/.ok ]; then
     || { log "cannot install our wheel"; exit 2; }
   touch /tmp/site/.ok
 fi
-for cache in .jit/jitcache.tar.xz .site/jitcache.tar.xz; do
+for cache in .jit/*.tar.xz; do
   if [ -f "$cache" ]; then
     mkdir -p /tmp/jit && python3 -c "import tarfile; tarfile.open('$cache').extractall('/tmp/jit')" && log "restored JIT cache $cache"
   fi
@@ -39,18 +39,18 @@ esac
 rc=${PIPESTATUS[0]}
 [ -d /tmp/e2e_logs ] && tar -C /tmp -cJf "$OUT/logs.tar.xz" e2e_logs 2>/dev/null
 if [ -d /tmp/jit ]; then
-  python3 - "$OUT/jitcache.tar.xz" <<'PY' || true
+  # one archive per cache (a returned file may not exceed 16 MB); too-large ones are left out
+  python3 - "$OUT" <<'PY' || true
 import os, sys, tarfile
-def pack(skip):
-    with tarfile.open(sys.argv[1], "w:xz", preset=1) as t:
-        for d in sorted(os.listdir("/tmp/jit")):
-            if d not in skip:
-                t.add(f"/tmp/jit/{d}", arcname=d)
-pack(())
-if os.path.getsize(sys.argv[1]) > 15_500_000:
-    pack(("triton",))
-if os.path.getsize(sys.argv[1]) > 15_500_000:
-    os.remove(sys.argv[1])
+out = sys.argv[1]
+for d in sorted(os.listdir("/tmp/jit")):
+    path = os.path.join(out, f"jit-{d}.tar.xz")
+    with tarfile.open(path, "w:xz", preset=6) as t:
+        t.add(f"/tmp/jit/{d}", arcname=d)
+    size = os.path.getsize(path)
+    if size > 15_500_000:
+        os.remove(path)
+    print(f"jit cache {d}: {size} bytes{' (too large, left out)' if size > 15_500_000 else ''}")
 PY
 fi
 log "job $job exit $rc"
