@@ -22,6 +22,7 @@ $HISPARSE_RESULTS_DIR) and prints the table. --budget-s stops starting new cells
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -443,7 +444,17 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--misses", type=float, nargs="+", default=list(MISSES))
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--from-json", default=None,
+                        help="rebuild the markdown table and the plot from an earlier kernel_bench.json (no GPU)")
     args = parser.parse_args()
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+        out = Path(args.out)
+        md = report_markdown(payload, payload["machine"], payload["command"])
+        (out / "kernel_bench.md").write_text(md)
+        note = plot(payload["rows"], out / "kernel_bench.png")
+        print(note or f"wrote {out / 'kernel_bench.md'} and {out / 'kernel_bench.png'}")
+        return 0
     if args.reps < 50:
         log("[bench] note: fewer than 50 reps requested; the issue asks for >= 50")
     if not torch.cuda.is_available():

@@ -80,6 +80,12 @@ SECOND_WAVE = [16384, 32768, 3000, 20000, 45000, 1000]  # arrives while the firs
 ABORTED = (1, 4)  # indices in the second wave, aborted mid-decode
 
 
+def lockstep_workload(server: Server, new_tokens: int) -> dict:
+    """Wave 1 only, in one batched call: both servers run identical batches."""
+    outs = server.generate(prompts(FIRST_WAVE, seed=1), new_tokens)
+    return {f"w1-{i}": o for i, o in enumerate(outs)}
+
+
 def exactness_workload(server: Server, new_tokens: int) -> dict:
     """Wave 1 in one batched call; wave 2 arrives while wave 1 decodes (separate calls, two of
     them aborted mid-decode). Returns output ids by request name."""
@@ -148,7 +154,7 @@ def run_workload(impl: str, buffer: int, graph: bool, args) -> tuple[dict, objec
     try:
         before = len(server.idle_reports())
         t = time.time()
-        outputs = exactness_workload(server, args.new_tokens)
+        outputs = (lockstep_workload if args.lockstep else exactness_workload)(server, args.new_tokens)
         print(f"[e2e] {impl} B={buffer} graph={int(graph)}: workload {time.time() - t:.0f}s", flush=True)
         report = wait_for_idle_report(server, after=before) if impl == "ours" else None
         return outputs, report
@@ -172,7 +178,7 @@ def exactness(args) -> dict:
                 baselines[graph], _ = run_workload("none", buffer, graph, args)
             outputs, report = run_workload(impl, buffer, graph, args)
             names, first_diff = compare(baselines[graph], outputs)
-            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "sequences": len(names),
+            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "lockstep": bool(args.lockstep), "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
                    "idle_report": report}
@@ -235,6 +241,7 @@ def main() -> int:
     e.add_argument("--configs", default="ours:4096:1", help="impl:B:graph, comma separated")
     e.add_argument("--ratio", type=int, default=4)
     e.add_argument("--budget-s", type=float, default=540)
+    e.add_argument("--lockstep", action="store_true", help="wave 1 only (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
     e.add_argument("--out", required=True)
