@@ -187,8 +187,8 @@ class ScoreRank:
 
     The selector already scores every candidate position at each step; the
     trace keeps its best ``R`` positions in order. A resident's current rank is
-    its index in that list (``window`` caps how many ranks are used; a resident
-    outside the window has rank ``window``). Eviction order: worst current rank
+    its index in that list (``window`` caps how many ranks are used, default:
+    the whole stored list; a resident outside the window has rank ``window``). Eviction order: worst current rank
     first; among equal ranks (in practice: all residents outside the window),
     least recent first, recency kept as in :class:`LruHitsLast`.
 
@@ -210,7 +210,7 @@ class ScoreRank:
 
     def eviction_keys(self, view: StepView, state: CacheState) -> np.ndarray:
         n, b = state.key.shape
-        window = min(self.window or b, view.ranked.shape[1])
+        window = min(self.window or view.ranked.shape[1], view.ranked.shape[1])
         rows = np.arange(n)[:, None]
         listed = view.ranked[:, :window].astype(np.int64)
         self.rank_map[rows, listed] = np.arange(window)
@@ -228,11 +228,6 @@ AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)
 COUNT_EDGES = (1, 3, 7, 15, 31)
 #: Upper edges (exclusive) of the rank buckets, in multiples of k: rank in the current step's list.
 RANK_EDGES_IN_K = (1.5, 2.0, 3.0, 4.0)
-
-
-def bucket_shape() -> tuple[int, int, int]:
-    """Shape ``(age, count, rank)`` of a :class:`ReuseTable` table."""
-    return len(AGE_EDGES) + 1, len(COUNT_EDGES) + 1, len(RANK_EDGES_IN_K) + 1
 
 
 class ReuseTable:
@@ -287,23 +282,29 @@ class ReuseTable:
         self.last = np.full((n, b), -1, dtype=np.int64)  # initial residents: as if selected before step 0
         self.count = np.zeros((n, b), dtype=np.int64)
         self.rank_edges = np.array([int(e * k) for e in self.rank_edges_in_k], dtype=np.int64)
-        self.rank_map = np.full((n, state.where.shape[1]), np.iinfo(np.int32).max, dtype=np.int64)
+        # Bucket lookup tables: index = clipped feature value.
+        self.age_lut = np.searchsorted(AGE_EDGES, np.arange(AGE_EDGES[-1] + 2), side="left")
+        self.count_lut = np.searchsorted(COUNT_EDGES, np.arange(COUNT_EDGES[-1] + 2), side="left")
+        self.rank_lut = np.searchsorted(self.rank_edges, np.arange(ranked.shape[2]), side="right")
+        self.rank_map = np.zeros((n, state.where.shape[1]), dtype=np.int64)
         self.quantized = np.round(self.table * (PRIORITY_LEVELS - 1)).astype(np.int64)
         if self.record_horizon is not None:
             self.nxt, self.next_use_of = next_use(ranked, k, state.where.shape[1])
 
     def cells(self, view: StepView, state: CacheState) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-slot ``(age, count, rank)`` bucket indices at this step, each ``(N, B)``."""
-        age_b = np.searchsorted(AGE_EDGES, view.step - self.last, side="left")
-        count_b = np.searchsorted(COUNT_EDGES, self.count, side="left")
+        age_b = self.age_lut[np.minimum(view.step - self.last, len(self.age_lut) - 1)]
+        count_b = self.count_lut[np.minimum(self.count, len(self.count_lut) - 1)]
         if not self.use_rank:
             return age_b, count_b, np.zeros_like(age_b)
         rows = np.arange(state.key.shape[0])[:, None]
-        listed = view.ranked.astype(np.int64)
-        self.rank_map[rows, listed] = np.arange(listed.shape[1])
-        rank = self.rank_map[rows, state.slot_pos]
-        self.rank_map[rows, listed] = np.iinfo(np.int32).max
-        return age_b, count_b, np.searchsorted(self.rank_edges, rank, side="right")
+        listed = view.ranked
+        n_listed = listed.shape[1]
+        # rank_map holds rank bucket + 1 for listed positions, 0 elsewhere ("beyond the list").
+        self.rank_map[rows, listed] = self.rank_lut[:n_listed] + 1
+        rank_b = self.rank_map[rows, state.slot_pos] - 1
+        self.rank_map[rows, listed] = 0
+        return age_b, count_b, np.where(rank_b < 0, len(self.rank_edges), rank_b)
 
     def eviction_keys(self, view: StepView, state: CacheState) -> np.ndarray:
         a, c, r = self.cells(view, state)
