@@ -21,7 +21,8 @@ kernel's reserved slot and is never a candidate):
 Each step stores the best ``--rank`` positions, best first (``rank >= k``; the
 step's selection is the first ``k``). Output: one ``.npz`` per document in
 ``--out`` with ``attention`` and ``quest`` arrays of shape
-``(layers, steps, rank)`` uint16, ``query_pos`` and a JSON ``meta`` string.
+``(layers, steps, rank)`` uint16, ``query_pos``, the document's ``token_ids`` and a
+JSON ``meta`` string.
 Existing files with the same settings are skipped.
 
 Side effects: writes ``--out``; reads the GGUF weights shipped by the
@@ -36,6 +37,7 @@ import importlib
 import importlib.util
 import json
 import pydoc
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -62,7 +64,22 @@ class Document:
     name: str
     source: str
     token_ids: list[int]
-    text_sha256: str
+
+    @property
+    def tokens_sha256(self) -> str:
+        """SHA-256 of the document's token ids (int32, little endian): what a trace is checked against."""
+        return hashlib.sha256(np.asarray(self.token_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def scrub_pydoc(text: str) -> str:
+    """Remove run-dependent parts of a pydoc rendering.
+
+    Object reprs carry memory addresses (``<object object at 0x7f...>``), which
+    change every run, and ``os.environ``'s repr carries the environment. Both are
+    replaced by fixed text so a document is the same on every run and machine.
+    """
+    text = re.sub(r" at 0x[0-9a-fA-F]+", "", text)
+    return re.sub(r"environ = environ\(\{.*", "environ = environ({...})", text)
 
 
 def gguf_dir() -> Path:
@@ -87,20 +104,20 @@ def build_documents(tokenizer, context: int, limit: int | None = None) -> list[D
     docs: list[Document] = []
     text = "\n\n".join(topics[key] for key in sorted(topics))
     ids = tokenizer(text)["input_ids"]
-    sha = hashlib.sha256(text.encode()).hexdigest()
     for i in range(len(ids) // context):
         docs.append(Document(f"topics_{i:02d}", f"pydoc_data.topics tokens [{i * context}, {(i + 1) * context})",
-                             ids[i * context:(i + 1) * context], sha))
+                             ids[i * context:(i + 1) * context]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for module_name in PYDOC_MODULES:
             module = importlib.import_module(module_name)
-            text = pydoc.render_doc(module, renderer=pydoc.plaintext)
+            text = scrub_pydoc(pydoc.render_doc(module, renderer=pydoc.plaintext))
             ids = tokenizer(text)["input_ids"]
             if len(ids) < context:
                 raise SystemExit(f"pydoc of {module_name} has only {len(ids)} tokens < {context}")
-            docs.append(Document(f"pydoc_{module_name.replace('.', '_')}", f"pydoc.render_doc({module_name}) first {context} tokens",
-                                 ids[:context], hashlib.sha256(text.encode()).hexdigest()))
+            docs.append(Document(f"pydoc_{module_name.replace('.', '_')}",
+                                 f"pydoc.render_doc({module_name}) (memory addresses removed), first {context} tokens",
+                                 ids[:context]))
     return docs[:limit] if limit else docs
 
 
@@ -221,7 +238,7 @@ def is_current(path: Path, settings: dict, doc: Document) -> bool:
             meta = json.loads(str(data["meta"]))
     except Exception:
         return False
-    return meta.get("settings") == settings and meta.get("text_sha256") == doc.text_sha256
+    return meta.get("settings") == settings and meta.get("tokens_sha256") == doc.tokens_sha256
 
 
 def main() -> None:
@@ -267,7 +284,7 @@ def main() -> None:
             model(torch.tensor([doc.token_ids]), use_cache=False, logits_to_keep=1)
         seconds = time.time() - start
         meta = {
-            "model": MODEL_NAME, "document": doc.name, "source": doc.source, "text_sha256": doc.text_sha256,
+            "model": MODEL_NAME, "document": doc.name, "source": doc.source, "tokens_sha256": doc.tokens_sha256,
             "settings": settings, "seconds": round(seconds, 2), "torch_threads": args.threads,
             "layers": n_layers, "query_heads": model.config.num_attention_heads,
             "kv_heads": model.config.num_key_value_heads,
@@ -276,6 +293,7 @@ def main() -> None:
         tmp = path.with_suffix(".tmp.npz")
         np.savez_compressed(tmp, attention=recorder.attention.astype(np.uint16), quest=recorder.quest.astype(np.uint16),
                             query_pos=np.arange(args.context - args.steps, args.context, dtype=np.int32),
+                            token_ids=np.asarray(doc.token_ids, dtype=np.int32),
                             meta=np.array(json.dumps(meta)))
         tmp.replace(path)
     layer_bar.close()
