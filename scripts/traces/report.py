@@ -218,7 +218,7 @@ def main() -> None:
     (args.results / "policies_detail.json").write_text(json.dumps(detail, indent=1) + "\n")
     plots(args.results, summary, n_layers)
     gen_seconds = sum(m["seconds"] for m in metas.values())
-    args.doc.write_text(render(summary, detail, metas, split, gen_seconds, sim_seconds, args.command))
+    args.doc.write_text(render(summary, detail, metas, split, gen_seconds, sim_seconds, args.command, args.workers))
     print(f"report written: {args.doc} ({sim_seconds:.0f} s)")
 
 
@@ -281,7 +281,7 @@ def plots(out: Path, summary: dict, n_layers: int) -> None:
 
 
 def render(summary: dict, detail: dict, metas: dict, split: dict, gen_seconds: float, sim_seconds: float,
-           command: str) -> str:
+           command: str, workers: int) -> str:
     r = {sel: summary[sel]["rates"] for sel in SELECTORS}
     settings = detail["trace_settings"]
     n_layers, steps = detail["layers"], detail["steps"]
@@ -305,7 +305,8 @@ def render(summary: dict, detail: dict, metas: dict, split: dict, gen_seconds: f
         f"the language-reference topics in `pydoc_data.topics` concatenated in key order and cut into consecutive "
         f"non-overlapping windows (`topics_*`), and the plain-text `pydoc` rendering of {sum(n.startswith('pydoc_') for n in metas)} "
         f"stdlib modules, first {settings['context']} tokens (`pydoc_*`). Real English technical prose and API documentation, "
-        "no random tokens; the exact text depends on the interpreter (CPython 3.11.7 here; each trace records the text's SHA-256).")
+        "no random tokens. Memory addresses in pydoc's object reprs are removed so the text is the same on every run; the "
+        "text depends on the interpreter (CPython 3.11.7 here), so each trace stores its token ids and their SHA-256.")
     add(f"- **Decode steps**: teacher forcing; the last {steps} positions of each document are the decode steps "
         f"(queries at positions {settings['context'] - steps}..{settings['context'] - 1}). At step t the selector picks "
         f"k={K} positions among 0..t-1: the newest position t (the query token, kept in the kernel's reserved slot) "
@@ -331,9 +332,12 @@ def render(summary: dict, detail: dict, metas: dict, split: dict, gen_seconds: f
     add(f"- **Split by document**: tune ({len(tune_docs)}): {', '.join(tune_docs)}; held-out ({len(held_docs)}): "
         f"{', '.join(held_docs)}. topics_00..05 were used while designing the new policy (features, horizon), so they are tune documents; one rejected "
         "variant (per-layer tables) was also tried on topics_06..10 before the split was fixed, and was not adopted.")
-    add(f"- **Cost**: trace generation {gen_seconds / 60:.1f} min in total on 2 CPU threads "
-        f"({gen_seconds / len(metas):.0f} s per document, recorded in each trace); simulation, fitting and plots "
-        f"{sim_seconds / 60:.1f} min.")
+    doc_seconds = sorted(m["seconds"] for m in metas.values())
+    add(f"- **Cost**: trace generation {gen_seconds / 60:.1f} min in total on 2 CPU threads, forward pass plus both "
+        f"selectors (per document: fastest {doc_seconds[0]:.0f} s, median {doc_seconds[len(doc_seconds) // 2]:.0f} s, "
+        f"slowest {doc_seconds[-1]:.0f} s, as recorded in each trace; the 2 cores were shared with other work, so the "
+        f"fastest document is the best estimate of an unloaded machine). Simulation of all policies, table fitting "
+        f"and plots: {sim_seconds / 60:.1f} min with {workers} worker processes.")
     add("")
     add("Policies (all in `sglang_hisparse/replacement/policies.py`):")
     add("")
