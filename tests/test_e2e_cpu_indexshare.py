@@ -1,0 +1,36 @@
+"""IndexShare (GLM-5.2 style, ``index_topk_freq`` 2): a shared layer reuses the previous layer's
+top-k. Our HiSparse resolves every layer on its own, so outputs must still be identical to the
+server without HiSparse (the prefetch issue builds on this model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
+          "--max-running-requests", "4"]
+
+
+def test_indexshare_model_outputs_identical(tmp_path):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 2000) for _ in range(n)] for n in (300, 900, 1600, 2400)]
+    outputs, servers = {}, []
+    try:
+        for name, config in (("baseline", None), ("hisparse", '{"device_buffer_size": 128}')):
+            server = start_server(model="tiny-dsa-cpu-indexshare", hisparse_config=config, extra_args=COMMON,
+                                  log_dir=tmp_path, name=name, max_total_tokens=16384)
+            servers.append(server)
+            before = len(server.idle_reports())
+            outputs[name] = [o["output_ids"] for o in server.generate(prompts, 32)]
+            if config:
+                report = wait_for_idle_report(server, after=before)
+                assert not report["leak"] and report["misses"] > 0, report
+    finally:
+        for s in servers:
+            s.stop()
+    assert outputs["hisparse"] == outputs["baseline"]
