@@ -25,30 +25,40 @@ STEP_LINE = re.compile(r"sglang-hisparse step \d+: .*")
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", default="1500,2500,3000,3500", help="prompt lengths, comma separated")
+    parser.add_argument("--contexts", default=None,
+                        help="prompt lengths, comma separated (default: 1500,2500,3000,3500 on CPU; 8000..30000 on GPU)")
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--device-buffer-size", type=int, default=128, help="B (the CPU model's top_k is 64)")
+    parser.add_argument("--device-buffer-size", type=int, default=None,
+                        help="B (default: 128 on CPU, whose model has top_k 64; 4096 on GPU, top_k 2048)")
     parser.add_argument("--log-dir", default=None, help="keep server logs here (default: a temp dir)")
     args = parser.parse_args(argv)
 
     cpu = not has_cuda()
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [int(c) for c in (args.contexts or ("1500,2500,3000,3500" if cpu else "8000,16000,24000,30000")).split(",")]
+    buffer_size = args.device_buffer_size or (128 if cpu else 4096)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="hisparse-demo-"))
-    common = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size",
+    common = ["--mem-fraction-static", "0.5" if cpu else "0.4", "--disable-overlap-schedule", "--chunked-prefill-size",
               str(max(16384, sum(contexts))), "--max-running-requests", str(len(contexts))]
-    config = f'{{"device_buffer_size": {args.device_buffer_size}, "stats_log_interval": 1}}'
+    env = {}
+    if not cpu:  # the deterministic GPU configuration of docs/e2e_gpu.md
+        common += ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
+                   "--dsa-decode-backend", "flashmla_sparse", "--dsa-topk-backend", "torch",
+                   "--context-length", "65536", "--grammar-backend", "none"]
+        env = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+    config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1}}'
     model = "tiny-dsa-cpu" if cpu else "tiny-dsa"
     print(f"[demo] {'CPU (SGLang CPU engine, torch DSA path)' if cpu else 'GPU'}; model {model}; logs in {log_dir}")
     print(f"[demo] --hisparse-config {config}")
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(2, 2000) for _ in range(n)] for n in contexts]
+    prompts = [[rng.randrange(2, 2000) for _ in range(n)] for n in contexts]  # < both models' vocab
     servers = []
     try:
         t0 = time.time()
-        base = start_server(model=model, extra_args=common, log_dir=log_dir, name="baseline", cpu=cpu, max_total_tokens=32768)
+        tokens = 32768 if cpu else 262144
+        base = start_server(model=model, extra_args=common, env=env, log_dir=log_dir, name="baseline", cpu=cpu, max_total_tokens=tokens)
         servers.append(base)
-        ours = start_server(model=model, hisparse_config=config, extra_args=common, log_dir=log_dir, name="hisparse", cpu=cpu, max_total_tokens=32768)
+        ours = start_server(model=model, hisparse_config=config, extra_args=common, env=env, log_dir=log_dir, name="hisparse", cpu=cpu, max_total_tokens=tokens)
         servers.append(ours)
         print(f"[demo] both servers up in {time.time() - t0:.0f}s; sending {len(prompts)} requests, contexts {contexts}")
         reports_before = len(ours.idle_reports())
