@@ -13,6 +13,7 @@ kernel-only keywords (``workspace``, ``block_size``) are dropped for the referen
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -88,24 +89,22 @@ class Resolver:
 
 
 def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k: int) -> Resolver:
-    """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`.
+    """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`, every
+    call going through :func:`resolve_layer`.
 
     For the kernel, allocates its workspace once (fixed addresses for CUDA graphs) and passes the
     configured block size on every call; ``warmup`` JIT-builds the variant the server needs.
     """
     impl = choose_resolver(config.resolver, device)
-    if impl == "reference":
-        from sglang_hisparse.resolver.reference import resolve_reference
+    workspace = None
+    warmup = lambda *_: None  # noqa: E731 - the reference needs no build
+    if impl == "cuda":
+        from sglang_hisparse.resolver import cuda as cuda_resolver
 
-        return Resolver("reference", resolve_reference, lambda *_: None)
-    from sglang_hisparse.resolver import cuda as cuda_resolver
+        workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
 
-    workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
+        def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
+            cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size)
 
-    def resolve(**kwargs: Any) -> None:
-        cuda_resolver.resolve_cuda(workspace=workspace, block_size=config.swap_in_block_size, **kwargs)
-
-    def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
-        cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size)
-
-    return Resolver("cuda", resolve, warmup)
+    resolve = functools.partial(resolve_layer, impl, workspace=workspace, block_size=config.swap_in_block_size)
+    return Resolver(impl, resolve, warmup)
