@@ -73,6 +73,7 @@ inline constexpr int kStatePlanned = 0;
 inline constexpr int kStateTotalRows = 32;
 inline constexpr int kStateExited = 64;
 inline constexpr int kStateErrors = 96;
+inline constexpr int kStateClock = 100;  // diagnostic build only: 13 uint64 stamps, words 100-125
 inline constexpr int kStateWords = 128;
 
 inline constexpr size_t kMaxSmemBytes = 227 * 1024;  // Hopper opt-in limit per block
@@ -244,6 +245,21 @@ __device__ __forceinline__ void count_error(uint32_t* state) {
   atomicAdd(state + kStateErrors, 1u);
 }
 
+// Diagnostic build only (-DHISPARSE_STAGE_CLOCK, scripts/bench_resolve.py --stage-clock): thread 0
+// of CTA 0 stamps stage boundaries into workspace state words [kStateClock, kStateClock + 26) as
+// uint64: 0-8 clock64() at kernel entry and after each planner stage, 9 / 11 globaltimer at the
+// planner's start / end, 10 / 12 globaltimer when copier 0 acquired the plan / finished copying.
+#ifdef HISPARSE_STAGE_CLOCK
+#define HS_STAMP_ANY(k, v) (reinterpret_cast<unsigned long long*>(p.state + kStateClock)[k] = (v))
+#define HS_STAMP(k, v)                                    \
+  do {                                                    \
+    if (blockIdx.x == 0 && threadIdx.x == 0) HS_STAMP_ANY(k, v); \
+  } while (0)
+#else
+#define HS_STAMP_ANY(k, v) ((void)0)
+#define HS_STAMP(k, v) ((void)0)
+#endif
+
 __device__ __forceinline__ int64_t load_index(const void* p, bool is_i64, int i) {
   return is_i64 ? static_cast<const int64_t*>(p)[i] : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
@@ -345,8 +361,8 @@ struct PlanRows {
 template <int kItemBytes, typename RowFn>
 __device__ __forceinline__ void copy_rows(
     const RowFn& rows,
-    uint32_t total_rows,
-    uint32_t start,
+    uint32_t first,
+    uint32_t end,
     uint32_t stride,
     const uint8_t* __restrict__ host_kv,
     int64_t host_rows,
@@ -355,8 +371,7 @@ __device__ __forceinline__ void copy_rows(
     uint32_t* state) {
   static_assert(kItemBytes % 16 == 0, "rows are copied in 16-byte chunks");
   constexpr uint32_t kChunks = kItemBytes / 16;
-  const uint32_t total = total_rows * kChunks;
-  for (uint32_t base = start; base < total; base += stride * kCopyUnroll) {
+  for (uint32_t base = first; base < end; base += stride * kCopyUnroll) {
     int64_t src[kCopyUnroll];
     int64_t dst[kCopyUnroll];
     uint32_t col[kCopyUnroll];
@@ -366,7 +381,7 @@ __device__ __forceinline__ void copy_rows(
       src[u] = -1;
       dst[u] = 0;
       col[u] = 0;
-      if (idx < total) {
+      if (idx < end) {
         const uint32_t g = idx / kChunks;
         col[u] = idx - g * kChunks;
         rows(g, src[u], dst[u]);
@@ -388,13 +403,15 @@ __device__ __forceinline__ void copy_rows(
   }
 }
 
-// Thread's first chunk and the stride when `ctas` CTAs of blockDim.x threads share the copy:
-// warp w of CTA c is global warp w * ctas + c, so a small copy spreads over all the CTAs.
-__device__ __forceinline__ void copy_start_stride(int cta, int ctas, uint32_t& start, uint32_t& stride) {
-  const int warp = threadIdx.x / kWarpSize;
-  const int lane = threadIdx.x % kWarpSize;
-  start = static_cast<uint32_t>((warp * ctas + cta) * kWarpSize + lane);
-  stride = static_cast<uint32_t>(ctas) * blockDim.x;
+// The chunks [lo, hi) that CTA `cta` of `ctas` copies out of `total`: one contiguous slice per
+// CTA, so that the warps of one SM walk the host rows of one or two requests at a time rather
+// than of every request (docs/kernel.md, "copy layout"). Consecutive threads take consecutive
+// chunks.
+__device__ __forceinline__ void cta_slice(uint32_t cta, uint32_t ctas, uint32_t total, uint32_t& lo, uint32_t& hi) {
+  const uint32_t per = (total + ctas - 1) / ctas;
+  const uint64_t a = static_cast<uint64_t>(cta) * per;
+  lo = a < total ? static_cast<uint32_t>(a) : total;
+  hi = total - lo < per ? total : lo + per;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -419,11 +436,9 @@ __device__ __forceinline__ void finish_planner(const ResolveParams& p, bool copi
       // is cumulative), so the copiers that acquire `planned` see the whole miss list.
       if (threadIdx.x == 0) red_release_gpu_add(p.state + kStatePlanned, 1u);
     } else if (misses > 0) {
-      uint32_t start, stride;
-      copy_start_stride(0, 1, start, stride);
       copy_rows<kItemBytes>(
-          FlatRows{p.flat_host + base, p.flat_dev + base}, misses, start, stride, p.host_kv, p.host_rows,
-          p.device_kv, p.device_rows, p.state);
+          FlatRows{p.flat_host + base, p.flat_dev + base}, threadIdx.x, misses * (kItemBytes / 16), blockDim.x,
+          p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
     }
   }
 }
@@ -455,10 +470,17 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
 
   int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
 
-  // ---- S0: the top-k row does not depend on the request's tables: start it first. ----
+  // ---- S0: the top-k row and the request's scalars do not depend on the request's tables (nor
+  // on num_real_reqs): start them first, so that their DRAM round trip overlaps the load of
+  // num_real_reqs. A padded row only reads (rows < num_reqs exist) and then exits. ----
   stage_row(s_topk, p.topk + static_cast<int64_t>(i) * p.topk_stride, kTopK, tid, nt);
   const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
   const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
+  if (i >= p.num_real_reqs[0]) {  // CTA-uniform: padded CUDA-graph row, writes nothing
+    cp_async_wait_all();
+    return;
+  }
+  HS_STAMP(1, clock64());
 
   if (r < 0 || r >= p.table_rows) {  // CTA-uniform: not a valid request row
     cp_async_wait_all();
@@ -509,6 +531,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   for (int j = tid; j < kTopK; j += nt) s_sel[j] = -1;  // -1: no slot holds selection j
   cp_async_wait_all();
   __syncthreads();
+  HS_STAMP(2, clock64());
 
   const int64_t newest = L - 1;
   const int64_t valid_end = newest < p.max_context ? newest : p.max_context;  // valid: 0 <= q < valid_end
@@ -537,6 +560,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     }
   }
   __syncthreads();
+  HS_STAMP(3, clock64());
 
   // ---- S2: each slot looks up its token; s_tok[s] becomes the selection j it holds (or -1). ----
   // If several slots held the same position (invalid state) the reference keeps the last one:
@@ -560,6 +584,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     if (j >= 0) atomicMax(s_sel + j, s);
   }
   __syncthreads();
+  HS_STAMP(4, clock64());
 
   // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
   auto slot_is_evictable = [&](int s) -> bool {
@@ -604,6 +629,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     }
   }
   __syncthreads();
+  HS_STAMP(5, clock64());
 
   // ---- S4: scan of the warp counts; every warp computes it (lanes >= nw read 0). ----
   int miss_off, evict_off, M, E, selected;
@@ -671,6 +697,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   }
   cp_async_wait_all();
   __syncthreads();
+  HS_STAMP(6, clock64());
 
   // ---- S6: publish outputs in top-k order, victims' slot tokens, the miss list and plan. ----
   const uint32_t base = static_cast<uint32_t>(s_scalar[0]);
@@ -718,7 +745,10 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
       atomicAdd(reinterpret_cast<unsigned long long*>(p.counters + 1), static_cast<unsigned long long>(M_eff));
     }
   }
+  HS_STAMP(7, clock64());
   finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(M_eff));
+  HS_STAMP(8, clock64());
+  HS_STAMP(11, global_timer_ns());
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -745,6 +775,7 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
       }
     }
     // Acquired: every planner's total_rows increment and miss list happen-before this point.
+    if (c == 0) HS_STAMP_ANY(10, global_timer_ns());
     const uint32_t total = ld_relaxed_gpu(st + kStateTotalRows);
     *s_total = total;
     // Retire: the copier that makes exited == num_copiers is the last reader of the counters.
@@ -757,11 +788,15 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
   }
   __syncthreads();
   const uint32_t total = *s_total;
-  uint32_t start, stride;
-  copy_start_stride(c, num_copiers, start, stride);
+  uint32_t lo, hi;
+  cta_slice(static_cast<uint32_t>(c), static_cast<uint32_t>(num_copiers), total * (kItemBytes / 16), lo, hi);
   copy_rows<kItemBytes>(
-      FlatRows{p.flat_host, p.flat_dev}, total, start, stride, p.host_kv, p.host_rows, p.device_kv, p.device_rows,
-      p.state);
+      FlatRows{p.flat_host, p.flat_dev}, lo + threadIdx.x, hi, blockDim.x, p.host_kv, p.host_rows, p.device_kv,
+      p.device_rows, p.state);
+#ifdef HISPARSE_STAGE_CLOCK
+  __syncthreads();
+  if (c == 0 && threadIdx.x == 0) HS_STAMP_ANY(12, global_timer_ns());
+#endif
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -774,14 +809,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_co
   static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
   static_assert(PlanLayout<kB, kTopK>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
   HISPARSE_DYNAMIC_SMEM(smem);
-  int n_real = p.num_real_reqs[0];
-  n_real = n_real < 0 ? 0 : (n_real > p.num_reqs ? p.num_reqs : n_real);
+  HS_STAMP(0, clock64());
+  HS_STAMP(9, global_timer_ns());
   const int bid = static_cast<int>(blockIdx.x);
-  if (bid < p.num_reqs) {
-    if (bid < n_real) plan_request<kItemBytes, kB, kTopK, kSkipIO>(p, bid, smem);
-    return;  // padded CUDA-graph rows exit without touching anything
+  if (bid < p.num_reqs) {  // padded CUDA-graph rows (bid >= num_real_reqs) exit without writing
+    plan_request<kItemBytes, kB, kTopK, kSkipIO>(p, bid, smem);
+    return;
   }
-  if constexpr (!kSkipIO) copier<kItemBytes>(p, bid - p.num_reqs, n_real, smem);
+  if constexpr (!kSkipIO) {
+    int n_real = p.num_real_reqs[0];
+    n_real = n_real < 0 ? 0 : (n_real > p.num_reqs ? p.num_reqs : n_real);
+    copier<kItemBytes>(p, bid - p.num_reqs, n_real, smem);
+  }
 }
 
 template <int kItemBytes>
@@ -823,11 +862,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) replay_kernel(const __grid_con
   if (tid == 0) s_prefix[n] = carry;
   __syncthreads();
   if (n == 0) return;
-  uint32_t start, stride;
-  copy_start_stride(static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), start, stride);
+  uint32_t lo, hi;
+  cta_slice(blockIdx.x, gridDim.x, carry * (kItemBytes / 16), lo, hi);
   copy_rows<kItemBytes>(
-      PlanRows{p.plan_host, p.plan_host_stride, p.plan_dev, p.plan_dev_stride, s_prefix, n}, carry, start, stride,
-      p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
+      PlanRows{p.plan_host, p.plan_host_stride, p.plan_dev, p.plan_dev_stride, s_prefix, n}, lo + threadIdx.x, hi,
+      blockDim.x, p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
 }
 
 // ------------------------------------------------------------------------------------------------

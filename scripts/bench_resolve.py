@@ -90,22 +90,53 @@ class Bench:
         self.device_flat.random_(0, 256)
         self.ws = rcuda.make_workspace(max_batch, self.dev, top_k=TOP_K)
 
-    def time_call(self, call: Callable[[], None], restore: Callable[[], None]) -> list[float]:
-        """Per-call microseconds of `call`, each after restore + L2 flush + spin."""
+    def time_call(self, call: Callable[[], None], restore: Callable[[], None], mode: str = "graph") -> list[float]:
+        """Per-call microseconds of `call`, each after restore + L2 flush + a GPU spin.
+
+        mode "graph": `call` is captured once in a CUDA graph and the events bracket its replay (how
+        a decode step runs it in the server: no Python, no argument checks). mode "eager": the
+        events bracket the Python call itself; the spin (~200 us) is longer than the host-side cost
+        of the call, so the kernel is queued before the start event runs. Host-side cost of the
+        eager call: see host_call_us.
+        """
+        replay = call
+        if mode == "graph":
+            restore()
+            call()  # first launch outside capture (builds, sets launch attributes)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            restore()
+            with torch.cuda.graph(graph):
+                call()
+            replay = graph.replay
+        elif mode != "eager":
+            raise ValueError(f"timing mode must be graph or eager, got {mode!r}")
         times = []
         for i in range(self.warmup + self.reps):
             restore()
             self.flush.zero_()
-            torch.cuda._sleep(100_000)  # ~50 us: the host-side call overhead overlaps it
+            torch.cuda._sleep(400_000)  # ~200 us at 1.98 GHz: covers the host-side call cost
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            call()
+            replay()
             end.record()
             if i >= self.warmup:
                 times.append((start, end))
         torch.cuda.synchronize()
         return [s.elapsed_time(e) * 1000.0 for s, e in times]
+
+    def host_call_us(self, call: Callable[[], None], restore: Callable[[], None], n: int = 30) -> float:
+        """Median host-side microseconds of one eager call (Python checks + FFI + launch)."""
+        out = []
+        for _ in range(n):
+            restore()
+            torch.cuda._sleep(400_000)  # keep the queue non-empty so the launch never blocks
+            t = time.perf_counter()
+            call()
+            out.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+        return round(sorted(out)[len(out) // 2], 2)
 
 
 def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, seed: int) -> dict[str, Any]:
@@ -147,8 +178,9 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
 
 class Ours:
     def __init__(self, bench: Bench, cell: dict[str, Any], skip_io: bool, block: int = BLOCK,
-                 num_copiers: Optional[int] = None) -> None:
+                 num_copiers: Optional[int] = None, stage_clock: bool = False) -> None:
         self.bench, self.cell, self.skip_io, self.block, self.num_copiers = bench, cell, skip_io, block, num_copiers
+        self.stage_clock = stage_clock
         self.tokens = cell["tokens0"].clone()
         self.lru = cell["lru0"].clone()
         self.out = torch.empty_like(cell["top_k_positions"])
@@ -164,7 +196,7 @@ class Ours:
             hot_locs=c["hot_locs"], slot_tokens=self.tokens, lru=self.lru, host_locs=c["host_locs"],
             host_kv=c["host_kv"], device_kv=c["device_kv"], out=self.out, num_real_reqs=c["num_real"],
             device_buffer_size=c["B"], skip_io=self.skip_io, workspace=self.bench.ws, block_size=self.block,
-            num_copiers=self.num_copiers,
+            num_copiers=self.num_copiers, stage_clock=self.stage_clock,
         )
 
 
@@ -247,13 +279,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log("[bench] interrupted: writing the rows measured so far")
         skipped.append("interrupted")
         deadline = 0.0
+    stage_clock: list[dict[str, Any]] = []
+    if args.stage_clock and time.time() < deadline:
+        try:
+            stage_clock = run_stage_clock(bench, deadline)
+        except KeyboardInterrupt:
+            log("[bench] stage clock interrupted")
     if args.sweep and time.time() < deadline:
         try:
-            sweep = run_sweep(bench, deadline)
+            sweep = run_sweep(bench, deadline, args.timing[0])
         except KeyboardInterrupt:
             log("[bench] sweep interrupted")
-    return {"rows": rows, "checks": checks, "skipped": skipped, "sweep": sweep, "upstream": upstream_note,
-            "seconds": round(time.time() - start, 1)}
+    return {"rows": rows, "checks": checks, "skipped": skipped, "sweep": sweep, "stage_clock": stage_clock,
+            "upstream": upstream_note, "timing": args.timing, "seconds": round(time.time() - start, 1)}
 
 
 def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Callable[..., None]], deadline: float,
@@ -275,18 +313,21 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                     if upstream is not None:
                         impls.append(("upstream", False, Upstream(upstream, cell)))
                     line = [tag]
-                    for name, skip, impl in impls:
-                        try:
-                            st = stats(bench.time_call(impl, impl.restore))
-                        except Exception as e:
-                            log(f"[bench] {name} failed on {tag}: {e}")
-                            traceback.print_exc()
-                            if name == "upstream":
-                                continue
-                            raise
-                        rows.append({"impl": name, "B": B, "batch": batch, "miss_frac": miss, "item_bytes": item,
-                                     "skip_io": skip, **st})
-                        line.append(f"{name}{'(skip-IO)' if skip else ''} {st['median_us']:.1f}us")
+                    for mode in args.timing:
+                        for name, skip, impl in impls:
+                            try:
+                                st = stats(bench.time_call(impl, impl.restore, mode))
+                                if mode == "eager":
+                                    st["host_us"] = bench.host_call_us(impl, impl.restore)
+                            except Exception as e:
+                                log(f"[bench] {name} ({mode}) failed on {tag}: {e}")
+                                traceback.print_exc()
+                                if name == "upstream":
+                                    continue
+                                raise
+                            rows.append({"impl": name, "B": B, "batch": batch, "miss_frac": miss, "item_bytes": item,
+                                         "skip_io": skip, "timing": mode, **st})
+                            line.append(f"{name}{'(skip-IO)' if skip else ''}[{mode}] {st['median_us']:.1f}us")
                     ok = check_ours(impls[0][2])
                     agree = None
                     if upstream is not None:
@@ -303,12 +344,13 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                     del cell, impls
 
 
-def run_sweep(bench: Bench, deadline: float) -> list[dict[str, Any]]:
+def run_sweep(bench: Bench, deadline: float, mode: str) -> list[dict[str, Any]]:
     """Copier CTAs and block size at B=4096, 1152 B (for docs/kernel.md's design choices)."""
     out = []
-    plans = [(batch, miss, {"num_copiers": c}) for batch, miss in ((1, 0.13), (16, 0.13), (64, 0.13), (1, 1.0), (16, 0.0))
-             for c in (None, 0, 8, 32, 132, 264)]
-    plans += [(16, miss, {"block": b}) for miss in (0.0, 0.13) for b in (128, 256, 512, 960, 1024)]
+    plans = [(batch, miss, {"num_copiers": c})
+             for batch, miss in ((1, 0.13), (4, 0.13), (16, 0.13), (64, 0.13), (1, 1.0), (16, 1.0), (64, 1.0))
+             for c in (None, 0, 16, 33, 66, 132)]
+    plans += [(batch, miss, {"block": b}) for batch, miss in ((1, 0.13), (16, 0.0), (16, 0.13)) for b in (256, 512, 768, 960, 1024)]
     seed = 1000
     for batch, miss, knob in plans:
         if time.time() > deadline:
@@ -316,44 +358,79 @@ def run_sweep(bench: Bench, deadline: float) -> list[dict[str, Any]]:
         seed += 1
         cell = make_cell(bench, 4096, 1152, batch, miss, seed)
         impl = Ours(bench, cell, False, **knob)
-        st = stats(bench.time_call(impl, impl.restore))
+        st = stats(bench.time_call(impl, impl.restore, mode))
         ok = check_ours(impl)
         copiers = knob.get("num_copiers")
         row = {"B": 4096, "item_bytes": 1152, "batch": batch, "miss_frac": miss,
                "num_copiers": "auto" if copiers is None else copiers,
-               "block_size": knob.get("block", BLOCK), "verified": ok, **st}
+               "block_size": knob.get("block", BLOCK), "verified": ok, "timing": mode, **st}
         out.append(row)
         log(f"[sweep] batch {batch} miss {miss} {knob}: {st['median_us']:.1f}us {'ok' if ok else 'MISMATCH'}")
     return out
 
 
-def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, miss: float, skip: bool) -> Optional[dict]:
+def run_stage_clock(bench: Bench, deadline: float, reps: int = 20) -> list[dict[str, Any]]:
+    """Where a planner's time goes: the diagnostic build's per-stage stamps of CTA 0 (median of
+    `reps` launches, each after restore + L2 flush), B=4096, 1152 B."""
+    out = []
+    seed = 2000
+    for batch, miss, skip in ((1, 0.0, True), (1, 0.13, False), (16, 0.0, True), (16, 0.13, False), (64, 0.13, False),
+                              (64, 0.13, True)):
+        if time.time() > deadline:
+            break
+        seed += 1
+        cell = make_cell(bench, 4096, 1152, batch, miss, seed)
+        impl = Ours(bench, cell, skip, stage_clock=True)
+        samples: list[dict[str, float]] = []
+        for _ in range(reps):
+            impl.restore()
+            bench.flush.zero_()
+            torch.cuda._sleep(400_000)
+            impl()
+            samples.append(rcuda.read_stage_clock(bench.ws))  # synchronises
+        med = {k: sorted(sm[k] for sm in samples)[len(samples) // 2] for k in samples[0]}
+        row = {"B": 4096, "item_bytes": 1152, "batch": batch, "miss_frac": miss, "skip_io": skip, **med}
+        out.append(row)
+        log(f"[stage-clock] {json.dumps(row)}")
+    return out
+
+
+def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, miss: float, skip: bool,
+         timing: str = "graph") -> Optional[dict]:
     for r in rows:
-        if (r["impl"], r["B"], r["item_bytes"], r["batch"], r["miss_frac"], r["skip_io"]) == (impl, B, item, batch, miss, skip):
+        if (r["impl"], r["B"], r["item_bytes"], r["batch"], r["miss_frac"], r["skip_io"], r.get("timing", "eager")) == (
+                impl, B, item, batch, miss, skip, timing):
             return r
     return None
 
 
 def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
     rows = result["rows"]
+    timing = result.get("timing", ["eager"])
+    main = timing[0]
+    eager = "eager" in timing and main != "eager"
+    eager_note = ("; eager columns: events around the Python call, host us = host-side cost of that call"
+                  if eager else "")
     lines = [
         "# Resolve kernel benchmark (per layer call)", "",
         f"Machine: {machine}  ", f"Command: `{command}`  ",
         f"Upstream: {result['upstream']}  ",
-        "Median of CUDA-event timings with L2 flushed (p10-p90 in the JSON); top_k 2048; "
-        "IO rate = bytes copied / (ours - ours skip-IO); e2e rate = bytes / ours.", "",
-        "| B | item B | batch | miss | ours us | upstream us | upstream/ours | ours skip-IO us | IO GB/s | e2e GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"Median of CUDA-event timings with L2 flushed (p10-p90 in the JSON); top_k 2048; timing: {main} "
+        f"({'the call captured in a CUDA graph, events around its replay' if main == 'graph' else 'events around the Python call'})"
+        f"; IO rate = bytes copied / (ours - ours skip-IO); e2e rate = bytes / ours{eager_note}.", "",
+        "| B | item B | batch | miss | ours us | upstream us | upstream/ours | ours skip-IO us | IO GB/s | e2e GB/s |"
+        + (" ours eager us | upstream eager us | ours host us | upstream host us |" if eager else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|---|" if eager else ""),
     ]
     for B in BS:
         for item in ITEMS:
             for batch in BATCHES:
                 for miss in MISSES:
-                    o = find(rows, "ours", B, item, batch, miss, False)
+                    o = find(rows, "ours", B, item, batch, miss, False, main)
                     if o is None:
                         continue
-                    s = find(rows, "ours", B, item, batch, miss, True)
-                    u = find(rows, "upstream", B, item, batch, miss, False)
+                    s = find(rows, "ours", B, item, batch, miss, True, main)
+                    u = find(rows, "upstream", B, item, batch, miss, False, main)
                     nbytes = batch * n_misses(miss) * item
                     io = e2e = None
                     if nbytes:
@@ -364,18 +441,24 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
                     cells += [f"{u['median_us']:.1f}", f"{u['median_us'] / o['median_us']:.2f}x"] if u else ["n/a", "n/a"]
                     cells += [f"{s['median_us']:.1f}" if s else "n/a"]
                     cells += [f"{io:.1f}" if io else "-", f"{e2e:.1f}" if e2e else "-"]
+                    if eager:
+                        oe = find(rows, "ours", B, item, batch, miss, False, "eager")
+                        ue = find(rows, "upstream", B, item, batch, miss, False, "eager")
+                        cells += [f"{oe['median_us']:.1f}" if oe else "n/a", f"{ue['median_us']:.1f}" if ue else "n/a",
+                                  f"{oe['host_us']:.1f}" if oe and "host_us" in oe else "n/a",
+                                  f"{ue['host_us']:.1f}" if ue and "host_us" in ue else "n/a"]
                     lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Targets (B=4096, 1152 B)", ""]
     for desc, B, item, batch, miss, limit in TARGETS:
-        o = find(rows, "ours", B, item, batch, miss, False)
+        o = find(rows, "ours", B, item, batch, miss, False, main)
         if o is None:
             lines.append(f"- {desc} <= {limit:g} us: not measured")
             continue
         verdict = "met" if o["median_us"] <= limit else "MISSED"
         lines.append(f"- {desc} <= {limit:g} us: {o['median_us']:.1f} us, {verdict}")
     for batch in BATCHES:
-        o = find(rows, "ours", 4096, 1152, batch, 0.13, False)
-        s = find(rows, "ours", 4096, 1152, batch, 0.13, True)
+        o = find(rows, "ours", 4096, 1152, batch, 0.13, False, main)
+        s = find(rows, "ours", 4096, 1152, batch, 0.13, True, main)
         if o and s and o["median_us"] > s["median_us"]:
             io = batch * n_misses(0.13) * 1152 / ((o["median_us"] - s["median_us"]) * 1e3)
             lines.append(f"- IO rate >= {IO_TARGET_GBPS:g} GB/s at 13% misses, batch {batch}: {io:.1f} GB/s, "
@@ -387,6 +470,16 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
         lines.append(f"Upstream outputs equal ours on {'every cell' if not disagree else 'all but ' + ', '.join(disagree)}.")
     if result["skipped"]:
         lines.append(f"Skipped (time budget): {', '.join(result['skipped'])}.")
+    if result.get("stage_clock"):
+        keys = ["scalars", "stage_tables", "hash_insert", "slot_lookup", "counts", "ranks", "publish", "finish"]
+        lines += ["", "## Where a planner's time goes (diagnostic build, CTA 0, median of 20; cycles at ~1.98 GHz)", "",
+                  "| batch | miss | skip-IO | " + " | ".join(keys) + " | total cycles | planner ns | copier 0 acquired ns | copier 0 done ns |",
+                  "|---|---|---|" + "---|" * (len(keys) + 4)]
+        for r in result["stage_clock"]:
+            lines.append(f"| {r['batch']} | {r['miss_frac']:g} | {r['skip_io']} | "
+                         + " | ".join(f"{r['cycles_' + k]:.0f}" for k in keys)
+                         + f" | {r['cycles_total']:.0f} | {r['ns_planner']:.0f} | {r['ns_copier0_acquired']:.0f} | "
+                         f"{r['ns_copier0_done']:.0f} |")
     if result["sweep"]:
         lines += ["", "## Sweep (B=4096, 1152 B)", "", "| batch | miss | copiers | block | median us | verified |",
                   "|---|---|---|---|---|---|"]
@@ -396,7 +489,7 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> Optional[str]:
+def plot(rows: list[dict[str, Any]], path: Path, timing: str = "graph") -> Optional[str]:
     try:
         import matplotlib
 
@@ -411,12 +504,12 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Optional[str]:
             ax = axes[bi][ii]
             for miss in MISSES:
                 for impl, style in (("ours", "-"), ("upstream", "--")):
-                    pts = [(b, find(rows, impl, B, item, b, miss, False)) for b in BATCHES]
+                    pts = [(b, find(rows, impl, B, item, b, miss, False, timing)) for b in BATCHES]
                     pts = [(b, r["median_us"]) for b, r in pts if r]
                     if pts:
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=colors[miss],
                                 label=f"{impl} {int(miss * 100)}% miss")
-                pts = [(b, find(rows, "ours", B, item, b, miss, True)) for b in BATCHES]
+                pts = [(b, find(rows, "ours", B, item, b, miss, True, timing)) for b in BATCHES]
                 pts = [(b, r["median_us"]) for b, r in pts if r]
                 if pts and miss == 0.13:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], ":", marker="x", color="gray", label="ours skip-IO")
@@ -427,7 +520,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Optional[str]:
             ax.set_ylabel("us per layer call")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("RESOLVE per layer call, top_k 2048: ours (solid) vs SGLang 0.5.17 (dashed)")
+    fig.suptitle(f"RESOLVE per layer call ({timing} timing), top_k 2048: ours (solid) vs SGLang 0.5.17 (dashed)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return None
@@ -444,6 +537,10 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--misses", type=float, nargs="+", default=list(MISSES))
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--timing", nargs="+", choices=("graph", "eager"), default=["graph", "eager"],
+                        help="timing modes, the first is the one the tables and targets use (see Bench.time_call)")
+    parser.add_argument("--stage-clock", action="store_true",
+                        help="also run the diagnostic build with per-stage clock stamps (B=4096, 1152 B)")
     parser.add_argument("--from-json", default=None,
                         help="rebuild the markdown table and the plot from an earlier kernel_bench.json (no GPU)")
     args = parser.parse_args()
@@ -452,7 +549,7 @@ def main() -> int:
         out = Path(args.out)
         md = report_markdown(payload, payload["machine"], payload["command"])
         (out / "kernel_bench.md").write_text(md)
-        note = plot(payload["rows"], out / "kernel_bench.png")
+        note = plot(payload["rows"], out / "kernel_bench.png", payload.get("timing", ["eager"])[0])
         print(note or f"wrote {out / 'kernel_bench.md'} and {out / 'kernel_bench.png'}")
         return 0
     if args.reps < 50:
@@ -471,14 +568,18 @@ def main() -> int:
     log(f"[bench] kernels ready in {time.time() - t0:.1f}s")
     result = run(args)
     payload = {"machine": machine, "command": command, "rows": result["rows"], "checks": result["checks"],
-               "sweep": result["sweep"], "skipped": result["skipped"], "upstream": result["upstream"],
+               "sweep": result["sweep"], "stage_clock": result["stage_clock"], "skipped": result["skipped"],
+               "upstream": result["upstream"], "timing": result["timing"],
                "method": "median/p10/p90 of CUDA-event timings per call; tables restored, L2 flushed and a "
-                         f"GPU spin before each call; {args.reps} reps after {args.warmup} warm-up; block 960",
+                         f"~200 us GPU spin before each call; {args.reps} reps after {args.warmup} warm-up; block 960; "
+                         "timing 'graph': the call captured in a CUDA graph, events around its replay (as in a "
+                         "decode step); 'eager': events around the Python call; host_us: host-side cost of the "
+                         "eager call",
                "seconds": result["seconds"]}
     write_json(out / "kernel_bench.json", payload)
     md = report_markdown(result, machine, command)
     (out / "kernel_bench.md").write_text(md)
-    note = plot(result["rows"], out / "kernel_bench.png")
+    note = plot(result["rows"], out / "kernel_bench.png", args.timing[0])
     if note:
         log(f"[bench] {note}")
     print(md)

@@ -8,6 +8,7 @@
 # Usage: bash scripts/gpu/run.sh <job> [args...]
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
+#   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
 # Writes under $OUT: the job's files, run.log, logs.tar.xz, jit-<cache>.tar.xz (those under 15.5 MB).
 set -u
 T0=$(date +%s)
@@ -34,6 +35,8 @@ job=$1; shift
 case "$job" in
   kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
   e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+  bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
+           | tee -a "$OUT/run.log" ;;
   *) log "unknown job $job"; exit 2 ;;
 esac
 rc=${PIPESTATUS[0]}

@@ -30,6 +30,9 @@ from sglang_hisparse.resolver.reference import MissPlan
 # Workspace state words (int32); mirrors kState* in kernels/resolve.cuh.
 STATE_WORDS = 128
 STATE_ERRORS = 96
+STATE_CLOCK = 100
+"""Diagnostic build only: 13 uint64 stage stamps from word 100 (``stage_clock=True``)."""
+STAGE_CLOCK_STAMPS = 13
 
 MAX_SMEM_BYTES = 227 * 1024
 """Dynamic shared memory a Hopper block may opt into."""
@@ -225,6 +228,7 @@ def resolve_cuda(
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_copiers: Optional[int] = None,
+    stage_clock: bool = False,
 ) -> None:
     """Resolve one layer for a batch on the GPU (semantics: :func:`reference.resolve_reference`).
 
@@ -237,6 +241,8 @@ def resolve_cuda(
         block_size: threads per CTA, a multiple of 32 in [32, 1024] (default: the config's
             ``swap_in_block_size``).
         num_copiers: copier CTAs; None = automatic, 0 = each planner CTA copies its own misses.
+        stage_clock: use the diagnostic build that stamps stage boundaries into
+            ``workspace.state`` (read them with :func:`read_stage_clock`); benchmarks only.
 
     Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
     """
@@ -286,7 +292,7 @@ def resolve_cuda(
     if num_reqs == 0:
         return
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
-    module = jit.resolve_module(item_bytes, B, top_k)
+    module = (jit.resolve_stage_clock_module if stage_clock else jit.resolve_module)(item_bytes, B, top_k)
     fn = module.resolve_skip_io if skip_io else module.resolve
     e64, e32 = workspace.empty_i64, workspace.empty_i32
     fn(
@@ -299,6 +305,24 @@ def resolve_cuda(
         workspace.state, workspace.flat_host_rows, workspace.flat_device_rows,
         block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
     )
+
+
+def read_stage_clock(workspace: ResolveWorkspace) -> dict[str, float]:
+    """Stage durations of CTA 0 in the last ``stage_clock=True`` launch (synchronises).
+
+    Returns cycles between the planner's stage boundaries (``scalars`` .. ``finish``) and
+    globaltimer nanoseconds from the planner's start (``copier0_*``: 0 when no copier ran).
+    Side effect: zeroes the stamps, so the next launch's absent stamps read 0."""
+    region = workspace.state[STATE_CLOCK : STATE_CLOCK + 2 * STAGE_CLOCK_STAMPS]
+    raw = region.cpu().view(torch.int64).tolist()
+    region.zero_()
+    names = ["scalars", "stage_tables", "hash_insert", "slot_lookup", "counts", "ranks", "publish", "finish"]
+    out = {f"cycles_{n}": float(raw[k + 1] - raw[k]) for k, n in enumerate(names)}
+    out["cycles_total"] = float(raw[8] - raw[0])
+    out["ns_planner"] = float(raw[11] - raw[9])
+    out["ns_copier0_acquired"] = float(raw[10] - raw[9]) if raw[10] else 0.0
+    out["ns_copier0_done"] = float(raw[12] - raw[9]) if raw[12] else 0.0
+    return out
 
 
 def replay_plan_cuda(

@@ -93,7 +93,7 @@ def _target_arch() -> Optional[str]:
     return None
 
 
-def _load(name: str, args: Sequence[int], wrappers: list[tuple[str, str]]) -> Any:
+def _load(name: str, args: Sequence[int], wrappers: list[tuple[str, str]], extra_flags: Sequence[str] = ()) -> Any:
     """Build (or load from the cache) one module; serialised per module name."""
     key = "_".join([name, *map(str, args)])
     with _lock_for(key):
@@ -106,13 +106,13 @@ def _load(name: str, args: Sequence[int], wrappers: list[tuple[str, str]]) -> An
             from sglang.kernels.jit.utils import load_jit
         except ImportError as e:  # SGLang's JIT package unavailable: same build through tvm-ffi
             logger.warning("sglang.kernels.jit unavailable (%s); building %s with tvm-ffi directly", e, key)
-            return _load_with_tvm_ffi(key, source, wrappers)
+            return _load_with_tvm_ffi(key, source, wrappers, extra_flags)
         return load_jit(
             name,
             *map(str, args),
             external_cuda_files=[source],
             cuda_wrappers=wrappers,
-            extra_cuda_cflags=list(EXTRA_CUDA_CFLAGS),
+            extra_cuda_cflags=[*EXTRA_CUDA_CFLAGS, *extra_flags],
         )
 
 
@@ -127,7 +127,7 @@ def _sglang_include_dir() -> str:
     return str(include)
 
 
-def _load_with_tvm_ffi(key: str, source: str, wrappers: list[tuple[str, str]]) -> Any:
+def _load_with_tvm_ffi(key: str, source: str, wrappers: list[tuple[str, str]], extra_flags: Sequence[str] = ()) -> Any:
     """The same build as SGLang's ``load_jit`` (flags, wrappers, cache layout), through tvm-ffi."""
     import hashlib
 
@@ -159,6 +159,7 @@ def _load_with_tvm_ffi(key: str, source: str, wrappers: list[tuple[str, str]]) -
             "-O3",
             "--expt-relaxed-constexpr",
             *EXTRA_CUDA_CFLAGS,
+            *extra_flags,
         ],
         extra_include_paths=[_sglang_include_dir()],
         build_directory=str(build_dir),
@@ -172,6 +173,19 @@ def resolve_module(item_bytes: int, device_buffer_size: int, top_k: int) -> Any:
         "hisparse_resolve",
         (item_bytes, device_buffer_size, top_k),
         resolve_wrappers(item_bytes, device_buffer_size, top_k),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_stage_clock_module(item_bytes: int, device_buffer_size: int, top_k: int) -> Any:
+    """Diagnostic build of the resolve module (``-DHISPARSE_STAGE_CLOCK``): CTA 0 writes per-stage
+    clock stamps into the workspace (see ``kernels/resolve.cuh``). For benchmarks only; a separate
+    module name keeps it out of the production cache entry."""
+    return _load(
+        "hisparse_resolve_stage_clock",
+        (item_bytes, device_buffer_size, top_k),
+        resolve_wrappers(item_bytes, device_buffer_size, top_k),
+        extra_flags=("-DHISPARSE_STAGE_CLOCK",),
     )
 
 
