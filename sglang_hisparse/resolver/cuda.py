@@ -228,7 +228,7 @@ def resolve_cuda(
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_copiers: Optional[int] = None,
-    stage_clock: bool = False,
+    stage_clock: Union[bool, str] = False,
 ) -> None:
     """Resolve one layer for a batch on the GPU (semantics: :func:`reference.resolve_reference`).
 
@@ -242,7 +242,8 @@ def resolve_cuda(
             ``swap_in_block_size``).
         num_copiers: copier CTAs; None = automatic, 0 = each planner CTA copies its own misses.
         stage_clock: use the diagnostic build that stamps stage boundaries into
-            ``workspace.state`` (read them with :func:`read_stage_clock`); benchmarks only.
+            ``workspace.state`` (read them with :func:`read_stage_clock`); ``"twice"``: the build
+            whose skip-IO kernel plans twice and keeps the second pass's stamps. Benchmarks only.
 
     Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
     """
@@ -292,7 +293,10 @@ def resolve_cuda(
     if num_reqs == 0:
         return
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
-    module = (jit.resolve_stage_clock_module if stage_clock else jit.resolve_module)(item_bytes, B, top_k)
+    if stage_clock:
+        module = jit.resolve_stage_clock_module(item_bytes, B, top_k, twice=stage_clock == "twice")
+    else:
+        module = jit.resolve_module(item_bytes, B, top_k)
     fn = module.resolve_skip_io if skip_io else module.resolve
     e64, e32 = workspace.empty_i64, workspace.empty_i32
     fn(

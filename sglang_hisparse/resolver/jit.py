@@ -177,15 +177,17 @@ def resolve_module(item_bytes: int, device_buffer_size: int, top_k: int) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_stage_clock_module(item_bytes: int, device_buffer_size: int, top_k: int) -> Any:
+def resolve_stage_clock_module(item_bytes: int, device_buffer_size: int, top_k: int, twice: bool = False) -> Any:
     """Diagnostic build of the resolve module (``-DHISPARSE_STAGE_CLOCK``): CTA 0 writes per-stage
-    clock stamps into the workspace (see ``kernels/resolve.cuh``). For benchmarks only; a separate
-    module name keeps it out of the production cache entry."""
+    clock stamps into the workspace (see ``kernels/resolve.cuh``); ``twice``: the skip-IO kernel
+    plans twice per launch and keeps the second pass's stamps (warm instruction caches). For
+    benchmarks only; a separate module name keeps it out of the production cache entry."""
+    flags = ("-DHISPARSE_STAGE_CLOCK",) + (("-DHISPARSE_STAGE_CLOCK_TWICE",) if twice else ())
     return _load(
-        "hisparse_resolve_stage_clock",
+        "hisparse_resolve_stage_clock" + ("_twice" if twice else ""),
         (item_bytes, device_buffer_size, top_k),
         resolve_wrappers(item_bytes, device_buffer_size, top_k),
-        extra_flags=("-DHISPARSE_STAGE_CLOCK",),
+        extra_flags=flags,
     )
 
 
