@@ -65,6 +65,10 @@ namespace hisparse {
 inline constexpr int kWarpSize = 32;
 inline constexpr int kMaxThreads = 1024;
 inline constexpr int kCopyUnroll = 4;  // 16-byte chunks a thread has in flight per iteration
+// Automatic copier choice: from this many requests on, each planner copies its own misses (no
+// copier CTAs). H200 sweep, B=4096, 1152 B, 13% misses: batch 4 46 vs 51 us, batch 16 118 vs
+// 128, batch 64 406 vs 477 (self-copy vs copier CTAs); batch 1: 35 vs 31 (copiers win).
+inline constexpr int kSelfCopyMinReqs = 4;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
 // Workspace state words (uint32), each on its own 128-byte line. Only errors is ever non-zero
@@ -98,7 +102,12 @@ constexpr size_t cmax(size_t a, size_t b) {
 // Planner shared memory. Mirrored by sglang_hisparse/resolver/cuda.py: planner_smem_bytes().
 template <int kB, int kTopK>
 struct PlanLayout {
-  static constexpr int kHash = next_pow2(2 * kTopK);  // load factor <= 1/2
+  // Load factor <= 1/4: the probe loops of S1/S2 run as long as the longest probe of the warp's
+  // 32 lanes, and shared-memory bank conflicts make every probe cost several cycles of the SM's
+  // shared-memory pipe (measured: S1 + S2 were ~14k of a planner's ~29k cycles at load 1/2).
+  static constexpr int kHash = next_pow2(4 * kTopK);
+  static constexpr int kKGroups = (kTopK + 31) / 32;  // 32-entry groups of the top-k row
+  static constexpr int kBGroups = (kB + 31) / 32;     // 32-entry groups of the LRU row
   static constexpr int kHashBits = ilog2(kHash);
   static constexpr size_t kTopkOff = 0;                                       // int32[kTopK]
   static constexpr size_t kSelOff = align16(kTopkOff + 4 * size_t(kTopK));    // int32[kTopK]
@@ -106,7 +115,9 @@ struct PlanLayout {
   static constexpr size_t kHotOff = align16(kTokOff + 4 * size_t(kB));        // int32[kB + 1]
   static constexpr size_t kLruOff = align16(kHotOff + 4 * size_t(kB + 1));    // int16[kB]
   static constexpr size_t kVictOff = align16(kLruOff + 2 * size_t(kB));       // int16[kTopK]
-  static constexpr size_t kUnionOff = align16(kVictOff + 2 * size_t(kTopK));
+  static constexpr size_t kMissMaskOff = align16(kVictOff + 2 * size_t(kTopK));              // u32[kKGroups]
+  static constexpr size_t kEvictMaskOff = align16(kMissMaskOff + 4 * size_t(kKGroups));      // u32[kBGroups]
+  static constexpr size_t kUnionOff = align16(kEvictMaskOff + 4 * size_t(kBGroups));
   // Union, part 1 (S0-S2): the hash table.
   static constexpr size_t kHashKeysOff = kUnionOff;                                 // int32[kHash]
   static constexpr size_t kHashValsOff = align16(kHashKeysOff + 4 * size_t(kHash)); // int16[kHash]
@@ -461,6 +472,8 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   int32_t* s_hot = reinterpret_cast<int32_t*>(smem + Lay::kHotOff);
   int16_t* s_lru = reinterpret_cast<int16_t*>(smem + Lay::kLruOff);
   int16_t* s_vict = reinterpret_cast<int16_t*>(smem + Lay::kVictOff);
+  uint32_t* s_missmask = reinterpret_cast<uint32_t*>(smem + Lay::kMissMaskOff);  // S3 ballots, read in S5
+  uint32_t* s_evictmask = reinterpret_cast<uint32_t*>(smem + Lay::kEvictMaskOff);
   int32_t* s_hkeys = reinterpret_cast<int32_t*>(smem + Lay::kHashKeysOff);
   int16_t* s_hvals = reinterpret_cast<int16_t*>(smem + Lay::kHashValsOff);
   int16_t* s_newlru = reinterpret_cast<int16_t*>(smem + Lay::kNewLruOff);
@@ -601,7 +614,8 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   const int b_begin = warp * b_per_warp;
   const int b_end = min(b_begin + b_per_warp, kB);
 
-  // ---- S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU). ----
+  // ---- S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU); the
+  // miss and evictable ballots are kept (one word per 32-entry group) for S5. ----
   {
     int n_miss = 0, n_sel = 0, n_evict = 0;
     for (int base = k_begin; base < k_end; base += kWarpSize) {  // warp-uniform trip count
@@ -610,7 +624,9 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
       const bool v = is_valid(q);
       const bool miss = v && s_sel[j] < 0;
       n_sel += __popc(__ballot_sync(kFullMask, v));
-      n_miss += __popc(__ballot_sync(kFullMask, miss));
+      const unsigned mm = __ballot_sync(kFullMask, miss);
+      n_miss += __popc(mm);
+      if (lane == 0) s_missmask[base / kWarpSize] = mm;
     }
     for (int base = b_begin; base < b_end; base += kWarpSize) {
       const int qq = base + lane;
@@ -620,7 +636,9 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
         if (s < 0 || s >= kB) count_error(p.state);  // precondition: LRU is a permutation of [0, B)
         ev = slot_is_evictable(s);
       }
-      n_evict += __popc(__ballot_sync(kFullMask, ev));
+      const unsigned em = __ballot_sync(kFullMask, ev);
+      n_evict += __popc(em);
+      if (lane == 0) s_evictmask[base / kWarpSize] = em;
     }
     if (lane == 0) {
       s_wsum[warp] = n_miss;
@@ -661,26 +679,20 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     int run = miss_off;
     for (int base = k_begin; base < k_end; base += kWarpSize) {
       const int j = base + lane;
-      const int32_t q = j < k_end ? s_topk[j] : -1;
-      const bool miss = is_valid(q) && s_sel[j] < 0;  // only this thread rewrites s_sel[j]
-      const unsigned mask = __ballot_sync(kFullMask, miss);
-      if (miss) {
+      const unsigned mask = s_missmask[base / kWarpSize];  // S3's ballot of this group
+      if ((mask >> lane) & 1u) {  // a miss (only this thread rewrites s_sel[j])
         const int m = run + __popc(mask & lanes_below);
         s_sel[j] = -2 - m;  // miss code
-        if (need_host_rows && m < M_eff) cp_async8(s_hostrow + m, host_loc_row + q);
+        if (need_host_rows && m < M_eff) cp_async8(s_hostrow + m, host_loc_row + s_topk[j]);
       }
       run += __popc(mask);
     }
     run = evict_off;
     for (int base = b_begin; base < b_end; base += kWarpSize) {
       const int qq = base + lane;
-      int s = -1;
-      bool ev = false;
-      if (qq < b_end) {
-        s = s_lru[qq];
-        ev = slot_is_evictable(s);  // reads s_sel only of hits: never rewritten above
-      }
-      const unsigned mask = __ballot_sync(kFullMask, ev);
+      const unsigned mask = s_evictmask[base / kWarpSize];
+      const bool ev = (mask >> lane) & 1u;
+      const int s = qq < b_end ? s_lru[qq] : -1;
       const int e = run + __popc(mask & lanes_below);  // evictables before qq in LRU order
       if (qq < b_end) {
         int pos;
@@ -1063,10 +1075,12 @@ void resolve(
   if constexpr (!kSkipIO) {
     if (num_copiers >= 0) {
       copiers = num_copiers;
+    } else if (num_reqs >= kSelfCopyMinReqs) {
+      copiers = 0;  // planners copy their own misses (measured faster from batch 4 up: docs/kernel.md)
     } else {
-      // Enough copier threads for the worst case (every selection a miss), but no more than fit
-      // beside the planners in one wave (a second wave would delay even a launch with no misses);
-      // at large batch (planners fill the GPU) half a wave, dispatched as the planners retire.
+      // Small batch: enough copier threads for the worst case (every selection a miss), but no
+      // more than fit beside the planners in one wave (a second wave would delay even a launch
+      // with no misses).
       const int64_t fill = int64_t(per_sm) * sm_count(dev);
       const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), block * kCopyUnroll);
       const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;

@@ -23,3 +23,8 @@ def test_emulated_kernel_matches_oracle():
     cases = int(os.environ.get("HISPARSE_EMU_CASES", "40"))
     failures, reports = run_emulation.run_cases(emu, cases, seed=int(os.environ.get("HISPARSE_EMU_SEED", "11")))
     assert failures == 0, "\n\n".join(reports)
+    # the Python mirror of the shared-memory layout (used by check_supported) is the kernel's
+    from sglang_hisparse.resolver.cuda import planner_smem_bytes
+
+    for B, K in ((256, 64), (64, 32), (13, 5), (4096, 2048), (8192, 2048)):
+        assert emu.planner_smem_bytes(B, K) == planner_smem_bytes(B, K), (B, K)

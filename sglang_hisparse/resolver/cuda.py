@@ -53,14 +53,16 @@ def planner_smem_bytes(device_buffer_size: int, top_k: int) -> int:
     """Shared memory of one planner CTA; mirrors ``PlanLayout`` in ``kernels/resolve.cuh``."""
     B, K = device_buffer_size, top_k
     hash_size = 1
-    while hash_size < 2 * K:
+    while hash_size < 4 * K:  # load factor <= 1/4
         hash_size <<= 1
     off = _align16(4 * K)  # top-k positions
     off = _align16(off + 4 * K)  # selection -> slot / miss code
     off = _align16(off + 4 * B)  # slot tokens -> selection
     off = _align16(off + 4 * (B + 1))  # hot locs
     off = _align16(off + 2 * B)  # lru
-    union = _align16(off + 2 * K)  # victims
+    off = _align16(off + 2 * K)  # victims
+    off = _align16(off + 4 * ((K + 31) // 32))  # miss ballots
+    union = _align16(off + 4 * ((B + 31) // 32))  # evictable ballots
     hash_end = _align16(_align16(union + 4 * hash_size) + 2 * hash_size)
     phase2_end = _align16(_align16(union + 2 * B) + 8 * K)
     return _align16(max(hash_end, phase2_end) + 4 * (3 * 32 + 8))

@@ -155,6 +155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     if (B == 256 && K == 64) return PlanLayout<256, 64>::kBytes;
     if (B == 64 && K == 32) return PlanLayout<64, 32>::kBytes;
     if (B == 13 && K == 5) return PlanLayout<13, 5>::kBytes;
+    if (B == 4096 && K == 2048) return PlanLayout<4096, 2048>::kBytes;
+    if (B == 8192 && K == 2048) return PlanLayout<8192, 2048>::kBytes;
     return -1;
   });
 }
