@@ -35,14 +35,28 @@ LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs"))  # packed by scri
 TOP_K = 2048  # the tiny model's index_topk
 
 
-def flags(graph: bool, max_total_tokens: int, max_running: int) -> list[str]:
+def parse_graph(mode: str) -> tuple[bool, int | None]:
+    """Graph mode of a config: "0" off, "1" on (SGLang's capture sizes), "F<n>": on with the single
+    capture size n, so every decode step up to n requests runs padded to n rows (the same GEMM shapes
+    whatever the batch: decode numerics do not depend on when requests join)."""
+    if mode in ("0", "1"):
+        return mode == "1", None
+    if mode.startswith("F") and mode[1:].isdigit() and int(mode[1:]) >= 1:
+        return True, int(mode[1:])
+    raise ValueError(f"graph mode must be 0, 1 or F<n> (fixed capture size), got {mode!r}")
+
+
+def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | None = None) -> list[str]:
     args = [
         "--trust-remote-code", "--kv-cache-dtype", "bfloat16", "--mem-fraction-static", "0.4",
         "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
         "--dsa-topk-backend", "torch", "--context-length", "65536", "--grammar-backend", "none",
         "--max-running-requests", str(max_running), "--decode-log-interval", "1",
     ]
-    if graph:
+    if graph and graph_bs is not None:
+        args += ["--cuda-graph-bs", str(graph_bs), "--cuda-graph-max-bs", str(graph_bs),
+                 "--cuda-graph-backend-prefill", "disabled"]
+    elif graph:
         args += ["--cuda-graph-max-bs", str(min(max(max_running, 8), 128)), "--cuda-graph-backend-prefill", "disabled"]
     else:
         args += ["--disable-cuda-graph"]
@@ -53,7 +67,7 @@ ENV = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESH
 
 
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
-           log_dir: Path, stats_interval: int = 0) -> Server:
+           log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None) -> Server:
     env = dict(ENV)
     hisparse = None
     if impl == "ours":
@@ -63,8 +77,8 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
         env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
         hisparse = json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
     return start_server(
-        model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running),
-        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}",
+        model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running, graph_bs),
+        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}",
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )
 
@@ -146,44 +160,65 @@ def compare(base: dict, test: dict) -> tuple[list, list]:
     return names, first_diff
 
 
-def run_workload(impl: str, buffer: int, graph: bool, args) -> tuple[dict, object]:
+def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args) -> tuple[dict, object]:
+    graph, graph_bs = parse_graph(graph_mode)
     t = time.time()
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
-                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR)
-    print(f"[e2e] {impl} B={buffer} graph={int(graph)}: up in {time.time() - t:.0f}s", flush=True)
+                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR, graph_bs=graph_bs)
+    tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
+    print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
         before = len(server.idle_reports())
         t = time.time()
-        outputs = (lockstep_workload if args.lockstep else exactness_workload)(server, args.new_tokens)
-        print(f"[e2e] {impl} B={buffer} graph={int(graph)}: workload {time.time() - t:.0f}s", flush=True)
+        outputs = (lockstep_workload if workload == "lockstep" else exactness_workload)(server, args.new_tokens)
+        print(f"[e2e] {tag}: workload {time.time() - t:.0f}s", flush=True)
         report = wait_for_idle_report(server, after=before) if impl == "ours" else None
         return outputs, report
     finally:
         server.stop()
 
 
+def parse_config(text: str, default_workload: str) -> tuple[str, int, str, str]:
+    """``impl:B:graph[:workload]``: impl none|ours|upstream, graph 0|1|F<n>, workload arrival|lockstep."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in ("none", "ours", "upstream") or not parts[1].isdigit():
+        raise ValueError(f"config must be impl:B:graph[:workload] (impl none|ours|upstream), got {text!r}")
+    parse_graph(parts[2])
+    workload = parts[3] if len(parts) == 4 else default_workload
+    if workload not in ("arrival", "lockstep"):
+        raise ValueError(f"workload must be arrival or lockstep, got {workload!r} in {text!r}")
+    return parts[0], int(parts[1]), parts[2], workload
+
+
 def exactness(args) -> dict:
-    """Configs ``impl:B:graph`` (e.g. ours:4096:1); one baseline run per graph setting, then each
-    config compared with it. Stops starting servers when the budget would be exceeded and writes
-    the rows it has after every config."""
+    """Configs ``impl:B:graph[:workload]`` (e.g. ours:4096:1, ours:2048:F24:arrival,
+    upstream:4096:0:lockstep); one baseline run per (graph mode, workload), then each config
+    compared with it. Stops starting servers when the budget would be exceeded and writes the rows
+    it has after every config."""
     t0 = time.time()
-    configs = [(c.split(":")[0], int(c.split(":")[1]), bool(int(c.split(":")[2]))) for c in args.configs.split(",")]
+    default_workload = "lockstep" if args.lockstep else "arrival"
+    configs = [parse_config(c, default_workload) for c in args.configs.split(",")]
     rows, baselines = [], {}
-    for impl, buffer, graph in configs:
-        if time.time() - t0 > args.budget_s - 150:
-            rows.append({"impl": impl, "B": buffer, "cuda_graph": graph, "skipped": "time budget"})
+    for impl, buffer, graph_mode, workload in configs:
+        graph, graph_bs = parse_graph(graph_mode)
+        key = (graph_mode, workload)
+        if time.time() - t0 > args.budget_s - (150 if key in baselines else 220):
+            rows.append({"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
+                         "skipped": "time budget"})
             continue
         try:
-            if graph not in baselines:
-                baselines[graph], _ = run_workload("none", buffer, graph, args)
-            outputs, report = run_workload(impl, buffer, graph, args)
-            names, first_diff = compare(baselines[graph], outputs)
-            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "lockstep": bool(args.lockstep), "sequences": len(names),
+            if key not in baselines:
+                baselines[key], _ = run_workload("none", buffer, graph_mode, workload, args)
+            outputs, report = run_workload(impl, buffer, graph_mode, workload, args)
+            names, first_diff = compare(baselines[key], outputs)
+            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
+                   "lockstep": workload == "lockstep", "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
                    "idle_report": report}
         except Exception as e:  # noqa: BLE001 - record and go on with the next config
-            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "error": repr(e)[:2000]}
+            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
+                   "error": repr(e)[:2000]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "idle_report"}), flush=True)
         Path(args.out).write_text(json.dumps({"exactness": rows}, indent=1))
@@ -238,10 +273,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("exactness")
-    e.add_argument("--configs", default="ours:4096:1", help="impl:B:graph, comma separated")
+    e.add_argument("--configs", default="ours:4096:1",
+                   help="impl:B:graph[:workload], comma separated; graph 0|1|F<n>, workload arrival|lockstep")
     e.add_argument("--ratio", type=int, default=4)
     e.add_argument("--budget-s", type=float, default=540)
-    e.add_argument("--lockstep", action="store_true", help="wave 1 only (identical batches in both servers)")
+    e.add_argument("--lockstep", action="store_true",
+                   help="default workload lockstep: wave 1 only (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
     e.add_argument("--out", required=True)
