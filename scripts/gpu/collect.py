@@ -20,13 +20,23 @@ FRAGMENTS = [
     ("gpu_run3/exact2.json", "two waves: wave 2 (6 requests, 2 aborted) arrives after wave 1 (12 requests) decodes"),
     ("gpu_run5/lockstep.json", "lockstep: wave 1 only (12 requests, 2k-60k contexts) in one batched call"),
     ("gpu_run4/tput.json", None),
+    ("gpu_run9/exact3.json", None),  # rows carry their workload and graph_bs
+    ("gpu_run10/exact4.json", None),
 ]
+WORKLOADS = {
+    "arrival": "two waves: wave 2 (6 requests, 2 aborted) arrives while wave 1 (12 requests) decodes",
+    "lockstep": "lockstep: wave 1 only (12 requests, 2k-60k contexts) in one batched call",
+}
 DEVICE_CALLS = {
     "gpu_run2": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:1,ours:2048:1 --budget-s 520 --out $OUT/exact1.json",
     "gpu_run3": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:1,upstream:4096:1 --budget-s 520 --out $OUT/exact2.json",
     "gpu_run4": "bash scripts/gpu/run.sh e2e throughput --impls none,ours,upstream --concurrency 1,8,32,64 --context 32768 "
                 "--new-tokens 256 --ratio 8 --max-total-tokens 262144 --budget-s 500 --out $OUT/tput.json",
     "gpu_run5": "bash scripts/gpu/run.sh e2e exactness --lockstep --configs ours:4096:1 --budget-s 230 --out $OUT/lockstep.json",
+    "gpu_run9": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival,upstream:4096:F18:arrival,"
+                "ours:2048:F18:arrival,ours:4096:0:lockstep,ours:2048:0:lockstep,upstream:2048:F18:arrival,"
+                "upstream:2048:0:lockstep --budget-s 540 --out $OUT/exact3.json",
+    "gpu_run10": "bash scripts/gpu/run.sh e2e exactness --configs upstream:2048:F18:arrival --budget-s 240 --out $OUT/exact4.json",
 }
 
 
@@ -44,14 +54,18 @@ def main() -> int:
         data = json.loads((RESULTS / rel).read_text())
         commands.append(DEVICE_CALLS[rel.split("/")[0]])
         for row in data.get("exactness", []):
+            if "identical" not in row:  # skipped for time, or failed: listed in the run's JSON, not here
+                continue
             keep = {k: row[k] for k in ("impl", "B", "cuda_graph", "sequences", "identical", "first_diff") if k in row}
-            keep["workload"] = workload
+            keep["graph_bs"] = row.get("graph_bs")  # one fixed decode-graph capture size, or None
+            keep["workload"] = workload or WORKLOADS[row["workload"]]
+            keep["run"] = rel.split("/")[0]  # docs/results/<run>/: raw fragment, log and command
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]
                 keep["miss_rate"] = report["misses"] / report["selected"] if report["selected"] else None
             exactness.append(keep)
-        throughput += [r for r in data.get("throughput", []) if "decode_tok_s" in r]
+        throughput += [dict(r, run=rel.split("/")[0]) for r in data.get("throughput", []) if "decode_tok_s" in r]
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "throughput": throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(throughput, RESULTS / "e2e_gpu_throughput.png")
