@@ -232,6 +232,38 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
         cuda.resolve_cuda(**kw)
 
 
+def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
+    """The per-call fast path: tables validated once are skipped on later calls with the same
+    buffers; a different (bad) table, or a bad per-call argument, is still refused."""
+    calls = []
+
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    checked = []
+    real_check = cuda._check_static_tables
+    monkeypatch.setattr(cuda, "_check_static_tables", lambda *a: checked.append(1) or real_check(*a))
+    monkeypatch.setattr(cuda, "_static_checked", {})
+    kw = _valid_kwargs()
+    for _ in range(3):
+        cuda.resolve_cuda(skip_io=True, **kw)
+    assert len(calls) == 3 and len(checked) == 1
+    for change, message in (
+        (dict(lru=kw["lru"].int()), "lru"),
+        (dict(slot_tokens=kw["slot_tokens"][:, :31]), "B = 32"),
+        (dict(out=kw["out"].long()), "out"),
+        (dict(top_k_positions=kw["top_k_positions"][:, :8]), "out"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            cuda.resolve_cuda(skip_io=True, **{**kw, **change})
+    # a new KV buffer is validated again (here: it is not pinned, so the IO path refuses it)
+    with pytest.raises(ValueError, match="pinned"):
+        cuda.resolve_cuda(skip_io=False, **kw)
+    assert len(calls) == 3
+
+
 def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     calls = []
 
