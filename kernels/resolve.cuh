@@ -66,8 +66,9 @@ inline constexpr int kWarpSize = 32;
 inline constexpr int kMaxThreads = 1024;
 inline constexpr int kCopyUnroll = 4;  // 16-byte chunks a thread has in flight per iteration
 // Automatic copier choice: from this many requests on, each planner copies its own misses (no
-// copier CTAs). H200 sweep, B=4096, 1152 B, 13% misses: batch 4 46 vs 51 us, batch 16 118 vs
-// 128, batch 64 406 vs 477 (self-copy vs copier CTAs); batch 1: 35 vs 31 (copiers win).
+// copier CTAs). H200 sweep (docs/results/gpu_run8), B=4096, 1152 B, 13% misses, self-copy vs
+// 16-132 copier CTAs: batch 4 42 vs 44-46 us, batch 16 113 vs 116-124, batch 64 402 vs 424-460;
+// batch 1: 30 vs 25-26 (copiers win).
 inline constexpr int kSelfCopyMinReqs = 4;
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
