@@ -4,6 +4,8 @@ the case generator, argument validation, workspace shapes, dispatch rules and th
 
 from __future__ import annotations
 
+import logging
+
 import random
 import shutil
 
@@ -262,6 +264,20 @@ def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
     with pytest.raises(ValueError, match="pinned"):
         cuda.resolve_cuda(skip_io=False, **kw)
     assert len(calls) == 3
+
+
+def test_warmup_build_logs_start_and_ready(monkeypatch, caplog):
+    built = []
+    monkeypatch.setattr(jit, "build_all", lambda jobs: built.append(len(jobs)) or [object(), object()])
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.resolver.cuda"):
+        cuda.warmup_build(1152, 4096, 2048, 960)
+    assert built == [2]
+    text = caplog.text
+    assert "loading the resolve kernels (1152-byte rows, B=4096, top_k=2048)" in text
+    assert "resolve kernels ready in" in text
+    with pytest.raises(ValueError, match="block_size"):  # checked before anything is built
+        cuda.warmup_build(1152, 4096, 2048, 100)
+    assert built == [2]
 
 
 def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):

@@ -17,7 +17,9 @@ inter-CTA counters in the workspace and resets them itself at the end of every l
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -26,6 +28,8 @@ import torch
 from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from sglang_hisparse.resolver import jit
 from sglang_hisparse.resolver.reference import MissPlan
+
+logger = logging.getLogger(__name__)
 
 # Workspace state words (int32); mirrors kState* in kernels/resolve.cuh.
 STATE_WORDS = 128
@@ -406,6 +410,12 @@ def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_siz
     """
     check_supported(item_bytes, device_buffer_size, top_k)
     check_block_size(block_size)
+    logger.info(
+        "sglang-hisparse: loading the resolve kernels (%d-byte rows, B=%d, top_k=%d); the first build on "
+        "a machine runs nvcc (~20-60 s), later starts load them from the JIT cache",
+        item_bytes, device_buffer_size, top_k,
+    )
+    start = time.monotonic()
     resolve_mod, _ = jit.build_all(
         [
             lambda: jit.resolve_module(item_bytes, device_buffer_size, top_k),
@@ -414,3 +424,4 @@ def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_siz
     )
     if torch.cuda.is_available():
         resolve_mod.resolve_prepare(block_size)
+    logger.info("sglang-hisparse: resolve kernels ready in %.1f s", time.monotonic() - start)
