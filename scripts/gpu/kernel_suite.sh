@@ -4,7 +4,7 @@
 #   cwd: the repository root; python3 imports torch and sglang (PYTHONPATH with the site archive);
 #   results: everything under $OUT (default ./.gpu-out):
 #     kernel_tests.json  kernel_bench.json  kernel_bench.md  kernel_bench.png
-#     suite.log (all output)  sanitizer.log  jitcache.tar.xz (built modules, reusable next time)
+#     suite.log (all output)  sanitizer.log   (scripts/gpu/run.sh packs the logs and the JIT cache)
 #
 # Steps, under a wall-clock budget (HISPARSE_SUITE_BUDGET_S, default 470 s; a step that would
 # not fit is shortened or skipped and the summary says so):
@@ -12,7 +12,7 @@
 #   3. concurrently: the GPU tests (>= 10000 random cases vs the oracle, graph capture) and
 #      compute-sanitizer memcheck + racecheck on a small representative subset;
 #   4. the benchmark against upstream SGLang 0.5.17 (alone on the GPU); 5. summary.
-# A carried JIT cache (.jit/jitcache.tar.xz, an ignored path) is unpacked first when present.
+# The JIT cache lives in /tmp/jit/tvm-ffi: scripts/gpu/run.sh restores it from .jit/ and packs it.
 
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -52,9 +52,6 @@ limited() {
 }
 
 note "repository $ROOT, results in $OUT, budget ${BUDGET_S}s"
-if [ -f "$ROOT/.jit/jitcache.tar.xz" ]; then
-  tar -xJf "$ROOT/.jit/jitcache.tar.xz" -C "$TVM_FFI_CACHE_DIR" && note "unpacked carried JIT cache"
-fi
 
 # ---- 1. environment ----
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
@@ -124,7 +121,6 @@ fi
 
 # ---- 5. results ----
 $PY scripts/gpu/finalize_results.py "$OUT" "$OUT/sanitizer.log"
-( cd "$TVM_FFI_CACHE_DIR" && find . -name '*.so' | tar -cJf "$OUT/jitcache.tar.xz" -T - ) || true
 ls -la "$OUT"
 for s in jit tests memcheck racecheck bench; do
   note "step $s: exit ${STEP_STATUS[$s]:-not run}"

@@ -9,7 +9,9 @@
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
-# Writes under $OUT: the job's files, run.log, logs.tar.xz, jit-<cache>.tar.xz (those under 15.5 MB).
+# Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
+# (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
+# files, the device tool's limit (scripts/gpu/pack_outputs.py).
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,21 +42,7 @@ case "$job" in
   *) log "unknown job $job"; exit 2 ;;
 esac
 rc=${PIPESTATUS[0]}
-[ -d /tmp/e2e_logs ] && tar -C /tmp -cJf "$OUT/logs.tar.xz" e2e_logs 2>/dev/null
-if [ -d /tmp/jit ]; then
-  # one archive per cache (a returned file may not exceed 16 MB); too-large ones are left out
-  python3 - "$OUT" <<'PY' || true
-import os, sys, tarfile
-out = sys.argv[1]
-for d in sorted(os.listdir("/tmp/jit")):
-    path = os.path.join(out, f"jit-{d}.tar.xz")
-    with tarfile.open(path, "w:xz", preset=6) as t:
-        t.add(f"/tmp/jit/{d}", arcname=d)
-    size = os.path.getsize(path)
-    if size > 15_500_000:
-        os.remove(path)
-    print(f"jit cache {d}: {size} bytes{' (too large, left out)' if size > 15_500_000 else ''}")
-PY
-fi
+# at most 8 files come back: logs into logs.tar.xz, JIT caches into jit.tar.xz
+python3 scripts/gpu/pack_outputs.py "$OUT" --jit-dir /tmp/jit --e2e-logs /tmp/e2e_logs || true
 log "job $job exit $rc"
 exit $rc
