@@ -3,9 +3,11 @@
 layer call, on identical inputs.
 
 Method (../shared/notes/h200-measurements.md): for every measured call the mutable tables are
-restored from pristine copies, L2 is flushed (a write of max(2.5 x L2, 256 MB)), a short GPU spin
-hides the host-side launch cost, then CUDA events bracket the one call; median / p10 / p90 of
---reps (>= 50) timings after --warmup calls. Host KV rows of a request are contiguous (about
+restored from pristine copies, L2 is flushed (a write of max(2.5 x L2, 256 MB)), a ~200 us GPU
+spin hides the host-side launch cost, then CUDA events bracket the one call; median / p10 / p90 of
+--reps (>= 50) timings after --warmup calls. --timing graph (the tables' numbers): the call is
+captured once in a CUDA graph and its replay is timed, as a decode step runs it; eager: the Python
+call itself is timed, and its host-side cost is recorded as host_us. Host KV rows of a request are contiguous (about
 115 MB per request at 1152 B, as in the upstream measurements); each request has seq_len 100000,
 B slots holding random positions, and selects top_k = 2048 positions: the newest, then
 round(miss_frac * 2048) misses (capped at 2047) and the rest hits.
@@ -13,7 +15,8 @@ round(miss_frac * 2048) misses (capped at 2047) and the rest hits.
 Grid: B in {2048, 4096} x item {1152, 656} x batch {1, 4, 16, 64} x miss {0, 0.13, 1.0}; rows for
 ours, ours with skip-IO (planning cost) and upstream (block size 960, the server default; its
 wrapper's own default 256 faults). Each cell is also checked: our outputs against the batched
-oracle, upstream's outputs against ours. A sweep of copier CTAs and block sizes follows.
+oracle, upstream's outputs against ours. --stage-clock adds the diagnostic build's per-stage
+cycle counts of one planner (B=4096, 1152 B); a sweep of copier CTAs and block sizes follows.
 
 Writes kernel_bench.json, kernel_bench.md and kernel_bench.png into --out (or
 $HISPARSE_RESULTS_DIR) and prints the table. --budget-s stops starting new cells when exceeded.
