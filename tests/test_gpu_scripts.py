@@ -1,5 +1,6 @@
 """The GPU-machine helper scripts that run here too: packing a call's outputs under the device
-tool's 8-file limit (scripts/gpu/pack_outputs.py)."""
+tool's 8-file limit (scripts/gpu/pack_outputs.py) and the end-to-end script's configuration syntax
+(scripts/gpu/e2e.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import sys
 import tarfile
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
@@ -62,3 +65,19 @@ def test_nothing_to_pack_writes_nothing(tmp_path):
     assert pack_outputs.pack_logs(out, tmp_path / "missing") == []
     assert pack_outputs.pack_jit(out, tmp_path / "missing") == []
     assert sorted(p.name for p in out.iterdir()) == ["run.log"]
+
+
+def test_e2e_config_syntax():
+    import e2e
+
+    assert e2e.parse_config("ours:4096:F18:arrival", "arrival") == ("ours", 4096, "F18", "arrival")
+    assert e2e.parse_config("upstream:2048:0", "lockstep") == ("upstream", 2048, "0", "lockstep")
+    assert e2e.parse_graph("1") == (True, None) and e2e.parse_graph("0") == (False, None)
+    assert e2e.parse_graph("F24") == (True, 24)
+    fixed = e2e.flags(True, 524288, 18, graph_bs=18)
+    assert fixed[fixed.index("--cuda-graph-bs") + 1] == "18" and "--disable-cuda-graph" not in fixed
+    assert "--disable-cuda-graph" in e2e.flags(False, 524288, 18)
+    for bad, message in (("ours:4096:2", "graph mode"), ("ours:4096:F", "graph mode"), ("mine:4096:1", "impl"),
+                         ("ours:4096:1:racing", "workload"), ("ours:4096", "impl:B:graph")):
+        with pytest.raises(ValueError, match=message):
+            e2e.parse_config(bad, "arrival")
