@@ -1173,13 +1173,11 @@ void replay(
                      "hisparse: plan too large for 32-bit chunk indices");
   const size_t smem = align16(4 * size_t(plan_rows + 1)) + 4 * kWarpSize;
   host::RuntimeCheck(smem <= kMaxSmemBytes, "hisparse: plan has too many rows for one CTA's prefix table");
-  const int dev = current_device();
   auto kernel = replay_kernel<kItemBytes>;
   if (smem > 48 * 1024) {
     host::RuntimeDeviceCheck(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  (void)dev;
 
   ReplayParams p{};
   p.plan_host = ptr<const int64_t>(plan_host);

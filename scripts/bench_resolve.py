@@ -480,7 +480,7 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
     if result["skipped"]:
         lines.append(f"Skipped (time budget): {', '.join(result['skipped'])}.")
     if result.get("stage_clock"):
-        keys = ["scalars", "stage_tables", "hash_insert", "slot_lookup", "counts", "ranks", "publish", "finish"]
+        keys = rcuda.STAGE_CLOCK_STAGES
         lines += ["", "## Where a planner's time goes (diagnostic build, CTA 0, median of 20; cycles at ~1.98 GHz)", "",
                   "| batch | miss | skip-IO | L2 flushed | " + " | ".join(keys) + " | total cycles | planner ns | copier 0 acquired ns | copier 0 done ns |",
                   "|---|---|---|---|" + "---|" * (len(keys) + 4)]

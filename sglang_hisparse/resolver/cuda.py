@@ -37,6 +37,8 @@ STATE_ERRORS = 96
 STATE_CLOCK = 100
 """Diagnostic build only: 13 uint64 stage stamps from word 100 (``stage_clock=True``)."""
 STAGE_CLOCK_STAMPS = 13
+STAGE_CLOCK_STAGES = ("scalars", "stage_tables", "hash_insert", "slot_lookup", "counts", "ranks", "publish", "finish")
+"""Planner stages between consecutive clock64 stamps 0-8, in order (``read_stage_clock`` keys)."""
 
 MAX_SMEM_BYTES = 227 * 1024
 """Dynamic shared memory a Hopper block may opt into."""
@@ -354,8 +356,7 @@ def read_stage_clock(workspace: ResolveWorkspace) -> dict[str, float]:
     region = workspace.state[STATE_CLOCK : STATE_CLOCK + 2 * STAGE_CLOCK_STAMPS]
     raw = region.cpu().view(torch.int64).tolist()
     region.zero_()
-    names = ["scalars", "stage_tables", "hash_insert", "slot_lookup", "counts", "ranks", "publish", "finish"]
-    out = {f"cycles_{n}": float(raw[k + 1] - raw[k]) for k, n in enumerate(names)}
+    out = {f"cycles_{n}": float(raw[k + 1] - raw[k]) for k, n in enumerate(STAGE_CLOCK_STAGES)}
     out["cycles_total"] = float(raw[8] - raw[0])
     out["ns_planner"] = float(raw[11] - raw[9])
     out["ns_copier0_acquired"] = float(raw[10] - raw[9]) if raw[10] else 0.0
