@@ -57,6 +57,8 @@ TARGETS = [  # (description, B, item, batch, miss, limit_us)
     ("13% misses, batch 64", 4096, 1152, 64, 0.13, 370.0),
 ]
 IO_TARGET_GBPS = 45.0
+STAGE_CLOCK_CELLS = ((1, 0.0, True), (1, 0.13, False), (16, 0.0, True), (16, 0.13, False), (64, 0.13, False),
+                     (64, 0.13, True))  # (batch, miss, skip-IO) of --stage-clock, B=4096, 1152 B
 
 
 def log(msg: str) -> None:
@@ -271,7 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = start + args.budget_s
     upstream, upstream_note = load_upstream()
     log(f"[bench] upstream: {upstream_note}")
-    bench = Bench(max(args.batches + ([64] if args.stage_clock else [])), args.reps, args.warmup)
+    stage_batches = [cell[0] for cell in STAGE_CLOCK_CELLS] if args.stage_clock else []
+    bench = Bench(max(args.batches + stage_batches), args.reps, args.warmup)
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     skipped: list[str] = []
@@ -377,8 +380,7 @@ def run_stage_clock(bench: Bench, deadline: float, reps: int = 20, twice: bool =
     `reps` launches, each after restore + L2 flush), B=4096, 1152 B."""
     out = []
     seed = 2000
-    for batch, miss, skip in ((1, 0.0, True), (1, 0.13, False), (16, 0.0, True), (16, 0.13, False), (64, 0.13, False),
-                              (64, 0.13, True)):
+    for batch, miss, skip in STAGE_CLOCK_CELLS:
         for flush in (True, False):
             if time.time() > deadline:
                 break
