@@ -1,6 +1,6 @@
 """The GPU-machine helper scripts that run here too: packing a call's outputs under the device
-tool's 8-file limit (scripts/gpu/pack_outputs.py) and the end-to-end script's configuration syntax
-(scripts/gpu/e2e.py)."""
+tool's 8-file limit (scripts/gpu/pack_outputs.py), the end-to-end script's configuration syntax
+(scripts/gpu/e2e.py) and decode throughput from server logs (scripts/gpu/decode_log.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
+import decode_log  # noqa: E402
 import pack_outputs  # noqa: E402
 
 
@@ -81,3 +82,64 @@ def test_e2e_config_syntax():
                          ("ours:4096:1:racing", "workload"), ("ours:4096", "impl:B:graph")):
         with pytest.raises(ValueError, match=message):
             e2e.parse_config(bad, "arrival")
+
+
+# --- decode_log: lines in SGLang 0.5.17's format (docs/results/gpu_run12/logs.tar.xz) ------------
+def _prefill(new_tokens: int, running: int = 0) -> str:
+    return (f"[2026-11-30 09:02:06] Prefill batch, #new-seq: 1, #new-token: {new_tokens}, #cached-token: 0, "
+            f"token usage: 0.06, #running-req: {running}, #queue-req: 0, #pending-token: 0, cuda graph: False, "
+            "input throughput (token/s): 4955.87")
+
+
+def _decode(running: int, rate: float) -> str:
+    return (f"[2026-11-30 09:02:02] Decode batch, #running-req: {running}, #token: 64, token usage: 0.00, "
+            f"cuda graph: True, gen throughput (token/s): {rate:.2f}, #queue-req: 0")
+
+
+def test_decode_stats_count_only_steps_after_a_decode_step():
+    log = "\n".join(["server starting", _prefill(100), _decode(4, 1.0),  # covers the prefill: left out
+                      _decode(4, 400.0), _decode(4, 400.0), _decode(2, 100.0), "INFO other line"])
+    batches = decode_log.parse_batches(log)
+    assert [b.decode for b in batches] == [False, True, True, True, True]
+    stats = decode_log.decode_stats(batches)
+    # steps: 4 tokens in 10 ms, 4 in 10 ms, 2 in 20 ms -> 10 tokens in 40 ms
+    assert stats["decode_tok_s"] == pytest.approx(250.0)
+    assert stats["tpot_ms"] == pytest.approx(10.0) and stats["decode_steps"] == 3 and stats["max_running"] == 4
+    with pytest.raises(ValueError, match="no decode step"):
+        decode_log.decode_stats(decode_log.parse_batches(_prefill(8) + "\n" + _decode(1, 5.0)))
+
+
+def test_decode_trace_is_run_length_of_batch_sizes():
+    log = "\n".join([_decode(1, 1.0), _prefill(8), _decode(17, 9.0), _decode(17, 9.0), _decode(1, 9.0)])
+    assert decode_log.decode_trace(decode_log.parse_batches(log)) == "1x1 17x2 1x1"
+
+
+def test_throughput_run_splits_into_levels_by_prefilled_tokens():
+    context = 10
+    warmup = [_prefill(4), _decode(1, 10.0), _decode(1, 10.0)]
+    level1 = [_prefill(10), _decode(1, 1.0),  # 1-token probe
+              _prefill(10), _decode(1, 1.0), _decode(1, 100.0), _decode(1, 100.0)]
+    level3 = [_prefill(8), _prefill(8), _prefill(8), _prefill(6),  # probe: 30 tokens in chunks
+              _prefill(20), _decode(2, 1.0), _decode(2, 200.0),  # full call, wave 1 of 2 requests
+              _prefill(10), _decode(1, 1.0), _decode(1, 50.0)]  # wave 2
+    batches = decode_log.parse_batches("\n".join(warmup + level1 + level3))
+    parts = decode_log.split_throughput_run(batches, [1, 3], context)
+    assert decode_log.decode_stats(parts[1]) == {"decode_tok_s": pytest.approx(100.0), "tpot_ms": pytest.approx(10.0),
+                                                 "decode_steps": 2, "max_running": 1}
+    stats3 = decode_log.decode_stats(parts[3])
+    assert stats3["decode_steps"] == 2 and stats3["max_running"] == 2  # the wave-2 step after its prefill is left out
+    assert stats3["decode_tok_s"] == pytest.approx(3 / (0.01 + 0.02))
+    with pytest.raises(ValueError, match="overshoot"):
+        decode_log.split_throughput_run(batches, [1, 3], 12)
+    with pytest.raises(ValueError, match="log ends"):
+        decode_log.split_throughput_run(batches, [1, 3, 8], context)
+
+
+def test_exactness_rows_carry_output_digests():
+    import e2e
+
+    a = {"x": {"output_ids": [1, 2, 3]}, "y": {"error": "boom"}}
+    b = {"x": {"output_ids": [1, 2, 3]}, "y": {"output_ids": [4]}}
+    da, db = e2e.digests(a), e2e.digests(b)
+    assert da["x"] == db["x"] and len(da["x"]) == 12 and da["y"] is None and db["y"] is not None
+    assert e2e.digests({"x": {"output_ids": [1, 2, 4]}})["x"] != da["x"]

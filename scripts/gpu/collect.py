@@ -8,21 +8,33 @@ docs/results/gpu_run*/ with the run.log of each call). Runs on the development m
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_log import decode_stats, decode_trace, parse_batches, split_throughput_run  # noqa: E402
+
 # (fragment, workload description, how the call was made)
 FRAGMENTS = [
     ("gpu_run2/exact1.json", "two waves: wave 2 (6 requests, 2 aborted) raced wave 1 (12 requests) at arrival"),
     ("gpu_run3/exact2.json", "two waves: wave 2 (6 requests, 2 aborted) arrives after wave 1 (12 requests) decodes"),
     ("gpu_run5/lockstep.json", "lockstep: wave 1 only (12 requests, 2k-60k contexts) in one batched call"),
-    ("gpu_run4/tput.json", None),
     ("gpu_run9/exact3.json", None),  # rows carry their workload and graph_bs
     ("gpu_run10/exact4.json", None),
+    ("gpu_run11/exact5.json", None),
+    ("gpu_run12/tput.json", None),  # decode numbers recomputed from the server logs (decode_log.py)
+    ("gpu_run13/exact6.json", "lockstep: both waves' 18 prompts (2k-60k contexts, none aborted) in one batched call"),
 ]
+# Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
+# to recompute it from; the raw file stays).
+# Runs whose server logs have one file per server, so decode traces can be read back for each row.
+TRACED_RUNS = {"gpu_run13"}
 WORKLOADS = {
     "arrival": "two waves: wave 2 (6 requests, 2 aborted) arrives while wave 1 (12 requests) decodes",
     "lockstep": "lockstep: wave 1 only (12 requests, 2k-60k contexts) in one batched call",
@@ -37,11 +49,42 @@ DEVICE_CALLS = {
                 "ours:2048:F18:arrival,ours:4096:0:lockstep,ours:2048:0:lockstep,upstream:2048:F18:arrival,"
                 "upstream:2048:0:lockstep --budget-s 540 --out $OUT/exact3.json",
     "gpu_run10": "bash scripts/gpu/run.sh e2e exactness --configs upstream:2048:F18:arrival --budget-s 240 --out $OUT/exact4.json",
+    "gpu_run11": "bash scripts/gpu/run.sh e2e exactness --configs upstream:4096:0:lockstep,upstream:2048:0:lockstep,"
+                 "none:4096:0:arrival,ours:4096:0:arrival,ours:2048:0:arrival,upstream:4096:0:arrival --budget-s 545 "
+                 "--out $OUT/exact5.json",
+    "gpu_run12": "bash scripts/gpu/run.sh e2e throughput --impls none,ours,upstream --concurrency 1,8,32,64 --context 32768 "
+                 "--new-tokens 256 --ratio 8 --max-total-tokens 262144 --budget-s 540 --out $OUT/tput.json",
+    "gpu_run13": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:0:lockstep,upstream:4096:0:lockstep,"
+                 "ours:2048:0:lockstep,upstream:2048:0:lockstep --budget-s 470 --out $OUT/exact6.json",
 }
 
 
+def server_log(run: str, name: str) -> str:
+    """One server's log from docs/results/<run>/logs.tar.xz (e2e_logs/<name>.log)."""
+    with tarfile.open(RESULTS / run / "logs.tar.xz") as t:
+        return io.TextIOWrapper(t.extractfile(f"e2e_logs/{name}.log"), errors="replace").read()
+
+
+def server_side_throughput(run: str, rows: list[dict]) -> list[dict]:
+    """Rows of a throughput fragment written before e2e.py read the server log: decode_tok_s,
+    tpot_ms, decode_steps and max_running recomputed from each server's log; the client-side
+    numbers are kept as client_*."""
+    command = DEVICE_CALLS[run]
+    levels = [int(c) for c in re.search(r"--concurrency ([\d,]+)", command).group(1).split(",")]
+    context = int(re.search(r"--context (\d+)", command).group(1))
+    out = []
+    for impl in sorted({r["impl"] for r in rows}):
+        parts = split_throughput_run(parse_batches(server_log(run, f"{impl}_B4096_g1")), levels, context)
+        for r in rows:
+            if r["impl"] == impl:
+                out.append({"impl": impl, "concurrency": r["concurrency"], "context": r["context"],
+                            **decode_stats(parts[r["concurrency"]]), "client_decode_tok_s": r["decode_tok_s"],
+                            "client_tpot_ms": r["tpot_ms"], "miss_rate": r["miss_rate"]})
+    return out
+
+
 def machine() -> str:
-    log = (RESULTS / "gpu_run4" / "run.log").read_text()
+    log = (RESULTS / "gpu_run12" / "run.log").read_text()
     gpu = re.search(r"\] (NVIDIA [^;]+); python (Python [\d.]+)", log)
     versions = re.search(r"versions (\S+) (\S+)", log)
     return (f"{gpu.group(1).strip()}, {gpu.group(2)}, torch {versions.group(1)}, SGLang {versions.group(2)} "
@@ -49,24 +92,36 @@ def machine() -> str:
 
 
 def main() -> int:
-    exactness, throughput, commands = [], [], []
+    exactness, controls, throughput, commands = [], [], [], []
     for rel, workload in FRAGMENTS:
         data = json.loads((RESULTS / rel).read_text())
-        commands.append(DEVICE_CALLS[rel.split("/")[0]])
+        run = rel.split("/")[0]
+        commands.append(DEVICE_CALLS[run])
         for row in data.get("exactness", []):
             if "identical" not in row:  # skipped for time, or failed: listed in the run's JSON, not here
                 continue
             keep = {k: row[k] for k in ("impl", "B", "cuda_graph", "sequences", "identical", "first_diff") if k in row}
             keep["graph_bs"] = row.get("graph_bs")  # one fixed decode-graph capture size, or None
             keep["workload"] = workload or WORKLOADS[row["workload"]]
-            keep["run"] = rel.split("/")[0]  # docs/results/<run>/: raw fragment, log and command
+            keep["run"] = run  # docs/results/<run>/: raw fragment, log and command
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]
                 keep["miss_rate"] = report["misses"] / report["selected"] if report["selected"] else None
-            exactness.append(keep)
-        throughput += [dict(r, run=rel.split("/")[0]) for r in data.get("throughput", []) if "decode_tok_s" in r]
-    out = {"machine": machine(), "commands": commands, "exactness": exactness, "throughput": throughput}
+            for key in ("decode_trace", "baseline_decode_trace"):
+                if key in row:
+                    keep[key] = row[key]
+            if run in TRACED_RUNS and "decode_trace" not in row:
+                keep["decode_trace"] = decode_trace(parse_batches(server_log(run, f"{row['impl']}_B{row['B']}_g0")))
+                keep["baseline_decode_trace"] = decode_trace(parse_batches(server_log(run, "none_B4096_g0")))
+            # impl "none": the baseline run again against itself, a control of the workload's reproducibility
+            (controls if row["impl"] == "none" else exactness).append(keep)
+        measured = [r for r in data.get("throughput", []) if "decode_tok_s" in r]
+        if measured and "decode_steps" not in measured[0]:
+            measured = server_side_throughput(run, measured)
+        throughput += [dict(r, run=run) for r in measured]
+    out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
+           "throughput": throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(throughput, RESULTS / "e2e_gpu_throughput.png")
     print(f"wrote {RESULTS / 'e2e_gpu.json'} and e2e_gpu_throughput.png")
@@ -82,21 +137,26 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names = {"none": "no HiSparse", "upstream": "SGLang's HiSparse", "ours": "sglang-hisparse"}
     for impl, style in (("none", "k--"), ("upstream", "b-o"), ("ours", "r-s")):
-        pts = sorted((r["concurrency"], r["decode_tok_s"], r["tpot_ms"], r.get("miss_rate")) for r in rows if r["impl"] == impl)
+        pts = sorted((r["concurrency"], r["decode_tok_s"], r["tpot_ms"], r.get("miss_rate"), r.get("max_running"))
+                     for r in rows if r["impl"] == impl)
         if not pts:
             continue
         ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=names[impl])
         ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=names[impl])
-        if impl == "ours":
-            for c, tok, _, miss in pts:
-                ax1.annotate(f"miss {miss:.0%}", (c, tok), textcoords="offset points", xytext=(4, -12), fontsize=7)
+        for c, tok, _, miss, most in pts:
+            notes = [f"miss {miss:.0%}"] if impl == "ours" and miss is not None else []
+            if impl != "upstream" and most is not None and most < c:  # HBM held fewer than asked
+                notes.append(f"{most} at once")
+            if notes:
+                ax1.annotate(", ".join(notes), (c, tok), textcoords="offset points", xytext=(4, -12), fontsize=7)
     for ax, label in ((ax1, "decode tokens/s"), (ax2, "TPOT ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests (32k context, 256 new tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Tiny DSA model on one H200, same HBM budget (--max-total-tokens 262144); HiSparse B=4096, ratio 8")
+    fig.suptitle("Tiny DSA model on one H200, same HBM budget (--max-total-tokens 262144); HiSparse B=4096, ratio 8;\n"
+                 "decode steps from the server log", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

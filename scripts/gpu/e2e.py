@@ -16,6 +16,7 @@ HiSparse: SGLANG_PLUGINS selects only our test-only dummy-init plugin, so weight
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -29,6 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from sglang_hisparse.testing.server import Server, start_server, wait_for_idle_report  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
 VOCAB = 32768
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs"))  # packed by scripts/gpu/run.sh
@@ -67,7 +71,8 @@ ENV = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESH
 
 
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
-           log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None) -> Server:
+           log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "") -> Server:
+    """Start one server; its log is ``<log_dir>/<impl>_B<buffer>_g<graph>[bs<n>][_<tag>].log``."""
     env = dict(ENV)
     hisparse = None
     if impl == "ours":
@@ -78,7 +83,7 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
         hisparse = json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
     return start_server(
         model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running, graph_bs),
-        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}",
+        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}",
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )
 
@@ -95,9 +100,10 @@ ABORTED = (1, 4)  # indices in the second wave, aborted mid-decode
 
 
 def lockstep_workload(server: Server, new_tokens: int) -> dict:
-    """Wave 1 only, in one batched call: both servers run identical batches."""
-    outs = server.generate(prompts(FIRST_WAVE, seed=1), new_tokens)
-    return {f"w1-{i}": o for i, o in enumerate(outs)}
+    """Both waves' prompts (18 requests, none aborted) in one batched call: both servers run
+    identical batches. Named ``ls-<i>`` so that every one of them is compared."""
+    outs = server.generate(prompts(FIRST_WAVE, seed=1) + prompts(SECOND_WAVE, seed=2), new_tokens)
+    return {f"ls-{i}": o for i, o in enumerate(outs)}
 
 
 def exactness_workload(server: Server, new_tokens: int) -> dict:
@@ -160,11 +166,23 @@ def compare(base: dict, test: dict) -> tuple[list, list]:
     return names, first_diff
 
 
-def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args) -> tuple[dict, object]:
+def digests(outputs: dict) -> dict[str, str | None]:
+    """First 12 hex digits of sha1 over each sequence's output ids (None when it has none): rows of
+    different implementations can then be compared with each other, not only with the baseline."""
+    return {k: hashlib.sha1(json.dumps(v["output_ids"]).encode()).hexdigest()[:12]
+            if isinstance(v, dict) and "output_ids" in v else None for k, v in sorted(outputs.items())}
+
+
+def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, log_suffix: str = ""
+                 ) -> tuple[dict, object, str]:
+    """Run one workload on a fresh server: (outputs by name, our idle report or None, decode trace:
+    the run-length batch sizes of its decode steps, e.g. "1x8 17x128 1x128", warm-up included).
+    ``log_suffix`` keeps a second server of the same kind from overwriting the first one's log."""
     graph, graph_bs = parse_graph(graph_mode)
     t = time.time()
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
-                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR, graph_bs=graph_bs)
+                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR, graph_bs=graph_bs,
+                    tag=workload + log_suffix)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -173,7 +191,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args) -
         outputs = (lockstep_workload if workload == "lockstep" else exactness_workload)(server, args.new_tokens)
         print(f"[e2e] {tag}: workload {time.time() - t:.0f}s", flush=True)
         report = wait_for_idle_report(server, after=before) if impl == "ours" else None
-        return outputs, report
+        return outputs, report, decode_trace(parse_batches(server.log()))
     finally:
         server.stop()
 
@@ -198,7 +216,7 @@ def exactness(args) -> dict:
     t0 = time.time()
     default_workload = "lockstep" if args.lockstep else "arrival"
     configs = [parse_config(c, default_workload) for c in args.configs.split(",")]
-    rows, baselines = [], {}
+    rows, baselines, traces = [], {}, {}
     for impl, buffer, graph_mode, workload in configs:
         graph, graph_bs = parse_graph(graph_mode)
         key = (graph_mode, workload)
@@ -208,25 +226,32 @@ def exactness(args) -> dict:
             continue
         try:
             if key not in baselines:
-                baselines[key], _ = run_workload("none", buffer, graph_mode, workload, args)
-            outputs, report = run_workload(impl, buffer, graph_mode, workload, args)
+                baselines[key], _, traces[key] = run_workload("none", buffer, graph_mode, workload, args)
+            outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
             row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
                    "lockstep": workload == "lockstep", "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
+                   "decode_trace": trace, "baseline_decode_trace": traces[key],
+                   "digests": digests(outputs), "baseline_digests": digests(baselines[key]),
                    "idle_report": report}
         except Exception as e:  # noqa: BLE001 - record and go on with the next config
             row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
                    "error": repr(e)[:2000]}
         rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "idle_report"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("idle_report", "digests", "baseline_digests")}),
+              flush=True)
         Path(args.out).write_text(json.dumps({"exactness": rows}, indent=1))
     return {"exactness": rows}
 
 
 # --- throughput --------------------------------------------------------------------------------
 def throughput(args) -> dict:
+    """Per implementation one server; per level a 1-token call (prefill time) then the full call.
+    decode_tok_s / tpot_ms / decode_steps / max_running come from the server's own per-step log
+    lines of the full call (scripts/gpu/decode_log.py); client_* are full call minus 1-token call
+    (kept for comparison, unreliable when the two prefills differ)."""
     log_dir = LOG_DIR
     rows = []
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -249,6 +274,7 @@ def throughput(args) -> dict:
                 t0 = time.time()
                 server.generate(batch, 1)
                 t1 = time.time()
+                batches_before = len(parse_batches(server.log()))
                 server.generate(batch, args.new_tokens)
                 t2 = time.time()
                 decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
@@ -256,9 +282,12 @@ def throughput(args) -> dict:
                 if impl == "ours":
                     rep = wait_for_idle_report(server, after=before)
                     miss_rate = rep["misses"] / rep["selected"] if rep["selected"] else None
+                else:
+                    time.sleep(1.0)  # the last step's log line
                 row = {"impl": impl, "concurrency": c, "context": args.context,
-                       "decode_tok_s": c * (args.new_tokens - 1) / decode_s,
-                       "tpot_ms": 1000 * decode_s / (args.new_tokens - 1), "miss_rate": miss_rate}
+                       **decode_stats(parse_batches(server.log())[batches_before:]),
+                       "client_decode_tok_s": c * (args.new_tokens - 1) / decode_s,
+                       "client_tpot_ms": 1000 * decode_s / (args.new_tokens - 1), "miss_rate": miss_rate}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 Path(args.out).write_text(json.dumps({"throughput": rows}, indent=1))
