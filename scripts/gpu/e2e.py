@@ -181,7 +181,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
     graph, graph_bs = parse_graph(graph_mode)
     t = time.time()
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
-                    max_running=len(FIRST_WAVE) + len(SECOND_WAVE), log_dir=LOG_DIR, graph_bs=graph_bs,
+                    max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
@@ -310,6 +310,8 @@ def main() -> int:
                    help="default workload lockstep: wave 1 only (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
+    e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE),
+                   help="--max-running-requests of every server (default: all 18 requests at once)")
     e.add_argument("--out", required=True)
     t = sub.add_parser("throughput")
     t.add_argument("--impls", default="none,upstream,ours")
