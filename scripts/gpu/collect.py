@@ -29,7 +29,7 @@ FRAGMENTS = [
     ("gpu_run10/exact4.json", None),
     ("gpu_run11/exact5.json", None),
     ("gpu_run12/tput.json", None),  # decode numbers recomputed from the server logs (decode_log.py)
-    ("gpu_run13/exact6.json", "lockstep: both waves' 18 prompts (2k-60k contexts, none aborted) in one batched call"),
+    ("gpu_run13/exact6.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -37,7 +37,8 @@ FRAGMENTS = [
 TRACED_RUNS = {"gpu_run13"}
 WORKLOADS = {
     "arrival": "two waves: wave 2 (6 requests, 2 aborted) arrives while wave 1 (12 requests) decodes",
-    "lockstep": "lockstep: wave 1 only (12 requests, 2k-60k contexts) in one batched call",
+    # 12 requests (wave 1) until the third session, both waves' 18 since; the count is the row's
+    "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
     "gpu_run2": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:1,ours:2048:1 --budget-s 520 --out $OUT/exact1.json",
@@ -102,7 +103,7 @@ def main() -> int:
                 continue
             keep = {k: row[k] for k in ("impl", "B", "cuda_graph", "sequences", "identical", "first_diff") if k in row}
             keep["graph_bs"] = row.get("graph_bs")  # one fixed decode-graph capture size, or None
-            keep["workload"] = workload or WORKLOADS[row["workload"]]
+            keep["workload"] = workload or WORKLOADS[row["workload"]].format(sequences=row["sequences"])
             keep["run"] = run  # docs/results/<run>/: raw fragment, log and command
             report = row.get("idle_report")
             if report:
