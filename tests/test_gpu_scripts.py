@@ -4,6 +4,7 @@ tool's 8-file limit (scripts/gpu/pack_outputs.py), the end-to-end script's confi
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tarfile
@@ -143,3 +144,18 @@ def test_exactness_rows_carry_output_digests():
     da, db = e2e.digests(a), e2e.digests(b)
     assert da["x"] == db["x"] and len(da["x"]) == 12 and da["y"] is None and db["y"] is not None
     assert e2e.digests({"x": {"output_ids": [1, 2, 4]}})["x"] != da["x"]
+
+
+def test_real_throughput_logs_split_into_every_level():
+    """gpu_run12's server logs (SGLang 0.5.17 on the H200): each level's 256-token call is found
+    and its decode steps counted; the server without HiSparse held 7 of the 32k requests at once."""
+    import collect
+
+    rows = json.loads((collect.RESULTS / "gpu_run12" / "tput.json").read_text())["throughput"]
+    recomputed = collect.server_side_throughput("gpu_run12", rows)
+    assert len(recomputed) == 12
+    held = {(r["impl"], r["concurrency"]): r["max_running"] for r in recomputed}
+    assert held[("none", 1)] == 1 and all(held[("none", c)] == 7 for c in (8, 32, 64))
+    assert held[("ours", 32)] == 32 and held[("upstream", 32)] == 32
+    # every request decodes 255 tokens after its first: at least 255 pure steps per wave
+    assert all(r["decode_steps"] >= 250 and r["decode_tok_s"] > 0 for r in recomputed)
