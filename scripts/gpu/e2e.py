@@ -307,7 +307,7 @@ def main() -> int:
     e.add_argument("--ratio", type=int, default=4)
     e.add_argument("--budget-s", type=float, default=540)
     e.add_argument("--lockstep", action="store_true",
-                   help="default workload lockstep: wave 1 only (identical batches in both servers)")
+                   help="default workload lockstep: both waves in one batched call (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
     e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE),
