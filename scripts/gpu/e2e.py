@@ -310,8 +310,10 @@ def main() -> int:
                    help="default workload lockstep: both waves in one batched call (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
-    e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE),
-                   help="--max-running-requests of every server (default: all 18 requests at once)")
+    e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE) + 1,
+                   help="--max-running-requests of every server; default 19: SGLang 0.5.17 without HiSparse "
+                        "decodes at most max-running-requests - 1 requests together "
+                        "(tests/test_sglang_admission.py), and all 18 must fit")
     e.add_argument("--out", required=True)
     t = sub.add_parser("throughput")
     t.add_argument("--impls", default="none,upstream,ours")
