@@ -262,7 +262,7 @@ def throughput(args) -> dict:
             continue
         t = time.time()
         server = launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True, max_total_tokens=args.max_total_tokens,
-                        max_running=max(levels), log_dir=log_dir)
+                        max_running=max(levels) + 1, log_dir=log_dir)  # + 1: tests/test_sglang_admission.py
         print(f"[e2e] {impl}: up in {time.time() - t:.0f}s", flush=True)
         try:
             for c in levels:

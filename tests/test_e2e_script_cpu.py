@@ -1,0 +1,86 @@
+"""scripts/gpu/e2e.py's own logic on CPU servers, so that a device call does not find its bugs.
+
+The GPU-only parts (model, FlashMLA flags) are replaced: ``launch`` starts the CPU tiny model and
+the request sizes shrink. Everything else runs as on the H200: both workloads, the baseline per
+(graph mode, workload), comparison, decode traces, output digests, the idle report, aborts, the
+throughput levels and their decode numbers read from the server log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_hisparse.testing.server import start_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
+
+import e2e  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cpu_e2e(tmp_path, monkeypatch):
+    started: list[str] = []
+
+    def launch(impl, *, buffer, ratio, graph, max_total_tokens, max_running, log_dir, stats_interval=0,
+               graph_bs=None, tag=""):
+        # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them)
+        config = None
+        if impl == "ours":
+            config = json.dumps({"device_buffer_size": buffer, "host_to_device_ratio": ratio,
+                                 "stats_log_interval": stats_interval})
+        name = f"{impl}_B{buffer}_g0{f'_{tag}' if tag else ''}"
+        started.append(name)
+        return start_server(hisparse_config=config, log_dir=log_dir, name=name, max_total_tokens=max_total_tokens,
+                            extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
+                                        "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
+                                        "--decode-log-interval", "1"])
+
+    monkeypatch.setattr(e2e, "launch", launch)
+    monkeypatch.setattr(e2e, "LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(e2e, "VOCAB", 2000)  # the CPU model's vocabulary is 2048
+    monkeypatch.setattr(e2e, "FIRST_WAVE", [300, 700, 1100, 200])  # B=128: all longer than B
+    monkeypatch.setattr(e2e, "SECOND_WAVE", [400, 900, 250])
+    monkeypatch.setattr(e2e, "ABORTED", (1,))
+    return tmp_path, started
+
+
+def test_exactness_rows_on_cpu(cpu_e2e):
+    tmp_path, started = cpu_e2e
+    args = argparse.Namespace(configs="ours:128:0:lockstep,ours:128:0:arrival,none:128:0:lockstep", lockstep=False,
+                              ratio=2, budget_s=3000, new_tokens=24, max_total_tokens=16384, max_running=8,
+                              out=str(tmp_path / "x.json"))
+    rows = e2e.exactness(args)["exactness"]
+    assert [r.get("error") for r in rows] == [None, None, None], rows
+    lockstep, arrival, repeat = rows
+    # one baseline per (graph, workload); a repeated baseline gets its own log
+    assert started == ["none_B128_g0_lockstep", "ours_B128_g0_lockstep_0", "none_B128_g0_arrival",
+                       "ours_B128_g0_arrival_1", "none_B128_g0_lockstep_2"]
+    assert lockstep["sequences"] == 7 and arrival["sequences"] == 6  # all 7 / all but the aborted one
+    assert lockstep["identical"] == 7 and repeat["identical"] == 7
+    assert lockstep["digests"] == lockstep["baseline_digests"] == repeat["digests"]
+    assert lockstep["decode_trace"].endswith(lockstep["baseline_decode_trace"].split(" ", 1)[1])
+    assert arrival["aborted_finish"][0]["type"] == "abort"
+    assert arrival["digests"]["w2-1"] is not None  # the aborted request returned its tokens so far
+    for row in (lockstep, arrival):
+        report = row["idle_report"]
+        assert not report["leak"] and report["misses"] > 0, report
+    assert json.loads(Path(args.out).read_text())["exactness"][2]["identical"] == 7
+
+
+def test_throughput_rows_on_cpu(cpu_e2e):
+    tmp_path, _ = cpu_e2e
+    args = argparse.Namespace(impls="none,ours", concurrency="1,3", context=400, new_tokens=12, buffer=128,
+                              ratio=2, max_total_tokens=16384, budget_s=3000, out=str(tmp_path / "t.json"))
+    rows = e2e.throughput(args)["throughput"]
+    assert [(r["impl"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 3), ("ours", 1), ("ours", 3)]
+    for r in rows:
+        assert r["max_running"] == r["concurrency"] and r["decode_steps"] >= 9, r
+        assert r["decode_tok_s"] > 0 and r["tpot_ms"] > 0
+    assert [r["miss_rate"] is None for r in rows] == [True, True, False, False]
