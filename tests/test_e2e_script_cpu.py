@@ -35,7 +35,7 @@ def cpu_e2e(tmp_path, monkeypatch):
         if impl == "ours":
             config = json.dumps({"device_buffer_size": buffer, "host_to_device_ratio": ratio,
                                  "stats_log_interval": stats_interval})
-        name = f"{impl}_B{buffer}_g0{f'_{tag}' if tag else ''}"
+        name = e2e.server_name(impl, buffer, False, tag=tag)
         started.append(name)
         return start_server(hisparse_config=config, log_dir=log_dir, name=name, max_total_tokens=max_total_tokens,
                             extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",

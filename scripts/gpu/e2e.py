@@ -70,9 +70,14 @@ def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | 
 ENV = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
 
 
+def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None, tag: str = "") -> str:
+    """A server's name, which is also its log's file name: ``<impl>_B<buffer>_g<graph>[bs<n>][_<tag>]``."""
+    return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
+
+
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
            log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "") -> Server:
-    """Start one server; its log is ``<log_dir>/<impl>_B<buffer>_g<graph>[bs<n>][_<tag>].log``."""
+    """Start one server; its log is ``<log_dir>/<server_name(...)>.log``."""
     env = dict(ENV)
     hisparse = None
     if impl == "ours":
@@ -83,7 +88,7 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
         hisparse = json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
     return start_server(
         model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running, graph_bs),
-        env=env, log_dir=log_dir, cpu=False, name=f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}",
+        env=env, log_dir=log_dir, cpu=False, name=server_name(impl, buffer, graph, graph_bs, tag),
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )
 
@@ -274,7 +279,7 @@ def throughput(args) -> dict:
                 t0 = time.time()
                 server.generate(batch, 1)
                 t1 = time.time()
-                batches_before = len(parse_batches(server.log()))
+                log_before = len(server.log())  # the full call's batch lines are the log's text after this
                 server.generate(batch, args.new_tokens)
                 t2 = time.time()
                 decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
@@ -285,7 +290,7 @@ def throughput(args) -> dict:
                 else:
                     time.sleep(1.0)  # the last step's log line
                 row = {"impl": impl, "concurrency": c, "context": args.context,
-                       **decode_stats(parse_batches(server.log())[batches_before:]),
+                       **decode_stats(parse_batches(server.log()[log_before:])),
                        "client_decode_tok_s": c * (args.new_tokens - 1) / decode_s,
                        "client_tpot_ms": 1000 * decode_s / (args.new_tokens - 1), "miss_rate": miss_rate}
                 rows.append(row)
