@@ -58,6 +58,12 @@ class HiSparseConfig:
     """Timing oracle: resolve and plan, but copy no KV bytes. Outputs are garbage."""
     stats_log_interval: int = 0
     """Log resolver statistics every N decode steps (0: never; each line synchronizes)."""
+    wait_for_staging: bool = False
+    """Block in ``collect_ready_reqs`` until every staged request's host copy has finished, so
+    a request joins decode at the first scheduler step after its prefill result is processed,
+    as it would without HiSparse. With ``--disable-overlap-schedule`` the decode batches are
+    then the same as a server without HiSparse (bit-exact comparisons with eager decode).
+    Cost: the scheduler waits for the staging copy at each prefill-to-decode transition."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,6 +197,7 @@ def _parse_cached(
         resolver=_require_choice(raw, "resolver", "auto", RESOLVER_CHOICES),
         skip_io=_require_bool(raw, "skip_io", False),
         stats_log_interval=_stats_interval(raw),
+        wait_for_staging=_require_bool(raw, "wait_for_staging", False),
     )
 
 

@@ -200,10 +200,15 @@ class HiSparseCoordinator:
         """Requests whose staging finished on every TP rank and whose hot buffer fits, in order.
 
         A request whose hot buffer does not fit yet stays in staging (it and the ones behind
-        it wait for device rows to be freed); this is logged once per episode.
+        it wait for device rows to be freed); this is logged once per episode. With
+        ``wait_for_staging`` the host blocks here until every staging copy has finished, so
+        that every staged request is offered a hot buffer now.
         """
         if not self._staging:
             return []
+        if self.config.wait_for_staging:
+            for ticket in self._staging:
+                ticket.finish_event.synchronize()
         done = 0
         for ticket in self._staging:
             if not ticket.finish_event.query():

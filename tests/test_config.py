@@ -43,6 +43,7 @@ def test_all_keys_round_trip():
         "resolver": "reference",
         "skip_io": True,
         "stats_log_interval": 4,
+        "wait_for_staging": True,
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == raw
@@ -72,6 +73,7 @@ def test_config_is_frozen():
         ('{"host_to_device_ratio": 1.5}', "invalid host_to_device_ratio=1.5: must be an integer"),
         ('{"resolver": "fast"}', 'invalid resolver="fast": must be one of auto, reference, cuda'),
         ('{"skip_io": 1}', "invalid skip_io=1: must be true or false"),
+        ('{"wait_for_staging": "yes"}', 'invalid wait_for_staging="yes": must be true or false'),
         ('{"stats_log_interval": -1}', "invalid stats_log_interval=-1: must be an integer >= 0 (0 = off)"),
     ],
 )

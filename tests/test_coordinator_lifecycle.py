@@ -129,6 +129,43 @@ def test_requests_wait_in_staging_until_a_hot_buffer_fits(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
+class _SlowCopyEvent:
+    """A staging copy that is still running until someone waits for it."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_wait_for_staging_lets_every_staged_request_join_now(gloo_world, wait):
+    """Without the key, a request whose host copy is still running stays in staging (it joins
+    a later step); with it, collect blocks until the copies are done and returns them all."""
+    rig = Rig(gloo_world, wait_for_staging=wait)
+    reqs = [Request(uid=30 + i, prompt_len=200 + 50 * i) for i in range(3)]
+    for r in reqs:
+        assert rig.prefill(r)
+        rig.stage(r)
+    slow = _SlowCopyEvent()
+    rig.coord._staging[1].finish_event = slow
+    ready = rig.collect()
+    if wait:
+        assert ready == reqs and slow.done and not rig.coord.has_ongoing_staging()
+    else:
+        assert ready == reqs[:1] and rig.coord.has_ongoing_staging()
+        slow.done = True
+        ready += rig.collect()
+        assert ready == reqs
+    for r in reqs:
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
 def test_host_pool_exhaustion_makes_admission_wait_not_crash(gloo_world, caplog):
     """A host pool of half the logical space: admission stops when host rows would run out,
     says so in the log, and resumes after a request leaves."""
