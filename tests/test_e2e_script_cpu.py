@@ -8,7 +8,6 @@ throughput levels and their decode numbers read from the server log.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,17 +26,18 @@ pytestmark = pytest.mark.slow
 @pytest.fixture
 def cpu_e2e(tmp_path, monkeypatch):
     started: list[str] = []
+    asked: list[tuple] = []
 
     def launch(impl, *, buffer, ratio, graph, max_total_tokens, max_running, log_dir, stats_interval=0,
-               graph_bs=None, tag=""):
-        # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them)
-        config = None
-        if impl == "ours":
-            config = json.dumps({"device_buffer_size": buffer, "host_to_device_ratio": ratio,
-                                 "stats_log_interval": stats_interval})
+               graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa"):
+        # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them), and
+        # without overlap scheduling whatever ``overlap`` asks (test_overlap... records the ask)
+        config = e2e.hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging)
         name = e2e.server_name(impl, buffer, False, tag=tag)
         started.append(name)
-        return start_server(hisparse_config=config, log_dir=log_dir, name=name, max_total_tokens=max_total_tokens,
+        asked.append((name, overlap, config))
+        cpu_model = {"tiny-dsa": "tiny-dsa-cpu", "tiny-dsa-indexshare": "tiny-dsa-cpu-indexshare"}[model]
+        return start_server(model=cpu_model, hisparse_config=config, log_dir=log_dir, name=name, max_total_tokens=max_total_tokens,
                             extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
                                         "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
                                         "--decode-log-interval", "1"])
@@ -48,14 +48,15 @@ def cpu_e2e(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e, "FIRST_WAVE", [300, 700, 1100, 200])  # B=128: all longer than B
     monkeypatch.setattr(e2e, "SECOND_WAVE", [400, 900, 250])
     monkeypatch.setattr(e2e, "ABORTED", (1,))
-    return tmp_path, started
+    return tmp_path, started, asked
 
 
 def test_exactness_rows_on_cpu(cpu_e2e):
-    tmp_path, started = cpu_e2e
-    args = argparse.Namespace(configs="ours:128:0:lockstep,ours:128:0:arrival,none:128:0:lockstep", lockstep=False,
-                              ratio=2, budget_s=3000, new_tokens=24, max_total_tokens=16384, max_running=8,
-                              out=str(tmp_path / "x.json"))
+    tmp_path, started, _ = cpu_e2e
+    args = e2e.build_parser().parse_args([
+        "exactness", "--configs", "ours:128:0:lockstep,ours:128:0:arrival,none:128:0:lockstep", "--ratio", "2",
+        "--budget-s", "3000", "--new-tokens", "24", "--max-total-tokens", "16384", "--max-running", "8",
+        "--out", str(tmp_path / "x.json")])
     rows = e2e.exactness(args)["exactness"]
     assert [r.get("error") for r in rows] == [None, None, None], rows
     lockstep, arrival, repeat = rows
@@ -74,10 +75,29 @@ def test_exactness_rows_on_cpu(cpu_e2e):
     assert json.loads(Path(args.out).read_text())["exactness"][2]["identical"] == 7
 
 
+def test_model_no_overlap_and_wait_for_staging_reach_the_servers_and_the_rows(cpu_e2e):
+    tmp_path, _, asked = cpu_e2e
+    args = e2e.build_parser().parse_args([
+        "exactness", "--configs", "ours:128:0:lockstep", "--ratio", "2", "--new-tokens", "8",
+        "--max-total-tokens", "16384", "--max-running", "8", "--no-overlap", "--wait-for-staging",
+        "--model", "tiny-dsa-indexshare", "--out", str(tmp_path / "w.json")])
+    (row,) = e2e.exactness(args)["exactness"]
+    assert row.get("error") is None, row
+    assert row["overlap_schedule"] is False and row["wait_for_staging"] is True
+    assert row["model"] == "tiny-dsa-indexshare"
+    (base_name, base_overlap, base_config), (name, overlap, config) = asked
+    assert base_name.startswith("none") and base_config is None and base_overlap is False
+    assert name.startswith("ours") and overlap is False and json.loads(config)["wait_for_staging"] is True
+    assert row["identical"] == row["sequences"] == 7
+    assert row["decode_trace"] == row["baseline_decode_trace"]
+
+
 def test_throughput_rows_on_cpu(cpu_e2e):
-    tmp_path, _ = cpu_e2e
-    args = argparse.Namespace(impls="none,ours", concurrency="1,3", context=400, new_tokens=12, buffer=128,
-                              ratio=2, max_total_tokens=16384, budget_s=3000, out=str(tmp_path / "t.json"))
+    tmp_path, _, _ = cpu_e2e
+    args = e2e.build_parser().parse_args([
+        "throughput", "--impls", "none,ours", "--concurrency", "1,3", "--context", "400", "--new-tokens", "12",
+        "--buffer", "128", "--ratio", "2", "--max-total-tokens", "16384", "--budget-s", "3000",
+        "--out", str(tmp_path / "t.json")])
     rows = e2e.throughput(args)["throughput"]
     assert [(r["impl"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 3), ("ours", 1), ("ours", 3)]
     for r in rows:

@@ -30,6 +30,10 @@ FRAGMENTS = [
     ("gpu_run11/exact5.json", None),
     ("gpu_run12/tput.json", None),  # decode numbers recomputed from the server logs (decode_log.py)
     ("gpu_run13/exact6.json", None),
+    ("gpu_run14/exact7.json", None),
+    ("gpu_run15/exact8.json", None),  # rows carry model, overlap_schedule, wait_for_staging
+    ("gpu_run16/exact9.json", None),
+    ("gpu_run17/tput2.json", None),  # a repetition of two points on another lent machine
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -57,7 +61,19 @@ DEVICE_CALLS = {
                  "--new-tokens 256 --ratio 8 --max-total-tokens 262144 --budget-s 540 --out $OUT/tput.json",
     "gpu_run13": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:0:lockstep,upstream:4096:0:lockstep,"
                  "ours:2048:0:lockstep,upstream:2048:0:lockstep --budget-s 470 --out $OUT/exact6.json",
+    "gpu_run14": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:0:lockstep,upstream:4096:0:lockstep,"
+                 "ours:2048:0:lockstep,upstream:2048:0:lockstep --budget-s 540 --out $OUT/exact7.json",
+    "gpu_run15": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:0:lockstep,ours:2048:0:lockstep,"
+                 "upstream:4096:0:lockstep,upstream:2048:0:lockstep --no-overlap --wait-for-staging --budget-s 520 "
+                 "--out $OUT/exact8.json",
+    "gpu_run16": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-indexshare --configs "
+                 "ours:4096:0:lockstep,ours:2048:F18:lockstep --no-overlap --wait-for-staging --budget-s 420 "
+                 "--out $OUT/exact9.json",
+    "gpu_run17": "bash scripts/gpu/run.sh e2e throughput --impls upstream,ours --concurrency 1,32 --budget-s 400 "
+                 "--out $OUT/tput2.json",
 }
+# The main throughput sweep; other throughput runs are repetitions of some of its points.
+MAIN_SWEEP = "gpu_run12"
 
 
 def server_log(run: str, name: str) -> str:
@@ -105,6 +121,10 @@ def main() -> int:
             keep["graph_bs"] = row.get("graph_bs")  # one fixed decode-graph capture size, or None
             keep["workload"] = workload or WORKLOADS[row["workload"]].format(sequences=row["sequences"])
             keep["run"] = run  # docs/results/<run>/: raw fragment, log and command
+            # rows written before these keys existed ran tiny-dsa with SGLang's default overlap schedule
+            keep["model"] = row.get("model", "tiny-dsa")
+            keep["overlap_schedule"] = row.get("overlap_schedule", True)
+            keep["wait_for_staging"] = row.get("wait_for_staging", False)
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]
@@ -138,28 +158,38 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     names = {"none": "no HiSparse", "upstream": "SGLang's HiSparse", "ours": "sglang-hisparse"}
     for impl, style in (("none", "k--"), ("upstream", "b-o"), ("ours", "r-s")):
-        pts = sorted((r["concurrency"], r["decode_tok_s"], r["tpot_ms"], r.get("miss_rate"), r.get("max_running"))
-                     for r in rows if r["impl"] == impl)
-        if not pts:
-            continue
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, label=names[impl])
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, label=names[impl])
-        for c, tok, _, miss, most in pts:
-            notes = [f"miss {miss:.0%}"] if impl == "ours" and miss is not None else []
-            if impl != "upstream" and most is not None and most < c:  # HBM held fewer than asked
-                notes.append(f"{most} at once")
-            if notes:
-                ax1.annotate(", ".join(notes), (c, tok), textcoords="offset points", xytext=(4, -12), fontsize=7)
+        for run in sorted({r["run"] for r in rows if r["impl"] == impl}, key=lambda run: run != MAIN_SWEEP):
+            pts = sorted((r["concurrency"], r["decode_tok_s"], r["tpot_ms"], r.get("miss_rate"), r.get("max_running"))
+                         for r in rows if r["impl"] == impl and r["run"] == run)
+            main = run == MAIN_SWEEP
+            kw = {"label": names[impl] if main else f"{names[impl]}, repeat ({run})"}
+            fmt = style if main else style[0] + style[-1]  # a repetition: hollow markers, no line
+            if not main:
+                kw.update(fillstyle="none", markersize=9)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], fmt, **kw)
+            ax2.plot([p[0] for p in pts], [p[2] for p in pts], fmt, **kw)
+            if main:
+                annotate(ax1, impl, pts)
     for ax, label in ((ax1, "decode tokens/s"), (ax2, "TPOT ms")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests (32k context, 256 new tokens)")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.suptitle("Tiny DSA model on one H200, same HBM budget (--max-total-tokens 262144); HiSparse B=4096, ratio 8;\n"
                  "decode steps from the server log", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def annotate(ax, impl: str, pts: list[tuple]) -> None:
+    """Miss rate next to our points; requests held at once where HBM held fewer than asked."""
+    for c, tok, _, miss, most in pts:
+        notes = [f"miss {miss:.0%}"] if impl == "ours" and miss is not None else []
+        if impl != "upstream" and most is not None and most < c:
+            notes.append(f"{most} at once")
+        if notes:
+            ax.annotate(", ".join(notes), (c, tok), textcoords="offset points", xytext=(4, -12), fontsize=7)
 
 
 if __name__ == "__main__":

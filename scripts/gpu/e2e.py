@@ -50,13 +50,16 @@ def parse_graph(mode: str) -> tuple[bool, int | None]:
     raise ValueError(f"graph mode must be 0, 1 or F<n> (fixed capture size), got {mode!r}")
 
 
-def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | None = None) -> list[str]:
+def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | None = None,
+          overlap: bool = True) -> list[str]:
     args = [
         "--trust-remote-code", "--kv-cache-dtype", "bfloat16", "--mem-fraction-static", "0.4",
         "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
         "--dsa-topk-backend", "torch", "--context-length", "65536", "--grammar-backend", "none",
         "--max-running-requests", str(max_running), "--decode-log-interval", "1",
     ]
+    if not overlap:
+        args += ["--disable-overlap-schedule"]
     if graph and graph_bs is not None:
         args += ["--cuda-graph-bs", str(graph_bs), "--cuda-graph-max-bs", str(graph_bs),
                  "--cuda-graph-backend-prefill", "disabled"]
@@ -75,19 +78,31 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
-def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
-           log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "") -> Server:
-    """Start one server; its log is ``<log_dir>/<server_name(...)>.log``."""
-    env = dict(ENV)
-    hisparse = None
+def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
+                    wait_for_staging: bool = False) -> str | None:
+    """The ``--hisparse-config`` of an implementation (None: no HiSparse). ``wait_for_staging`` is
+    ours only: SGLang's own HiSparse has no such key."""
     if impl == "ours":
-        hisparse = json.dumps({"device_buffer_size": buffer, "host_to_device_ratio": ratio,
-                               "stats_log_interval": stats_interval})
-    elif impl == "upstream":
+        config = {"device_buffer_size": buffer, "host_to_device_ratio": ratio, "stats_log_interval": stats_interval}
+        if wait_for_staging:
+            config["wait_for_staging"] = True
+        return json.dumps(config)
+    if impl == "upstream":
+        return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
+    return None
+
+
+def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
+           log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "",
+           overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa") -> Server:
+    """Start one server of ``model`` (a directory under sglang_hisparse/testing/models); its log is
+    ``<log_dir>/<server_name(...)>.log``."""
+    env = dict(ENV)
+    if impl == "upstream":
         env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
-        hisparse = json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
     return start_server(
-        model="tiny-dsa", hisparse_config=hisparse, extra_args=flags(graph, max_total_tokens, max_running, graph_bs),
+        model=model, hisparse_config=hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging),
+        extra_args=flags(graph, max_total_tokens, max_running, graph_bs, overlap),
         env=env, log_dir=log_dir, cpu=False, name=server_name(impl, buffer, graph, graph_bs, tag),
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )
@@ -187,7 +202,8 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
     t = time.time()
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
-                    tag=workload + log_suffix)
+                    tag=workload + log_suffix, overlap=not args.no_overlap,
+                    wait_for_staging=args.wait_for_staging and impl == "ours", model=args.model)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -235,7 +251,8 @@ def exactness(args) -> dict:
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
             row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
-                   "lockstep": workload == "lockstep", "sequences": len(names),
+                   "lockstep": workload == "lockstep", "model": args.model, "overlap_schedule": not args.no_overlap,
+                   "wait_for_staging": args.wait_for_staging and impl == "ours", "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
                    "decode_trace": trace, "baseline_decode_trace": traces[key],
@@ -303,7 +320,7 @@ def throughput(args) -> dict:
     return {"throughput": rows}
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("exactness")
@@ -315,6 +332,13 @@ def main() -> int:
                    help="default workload lockstep: both waves in one batched call (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
+    e.add_argument("--model", default="tiny-dsa", choices=["tiny-dsa", "tiny-dsa-indexshare"],
+                   help="tiny-dsa-indexshare: index_topk_freq 2 (every second layer reuses the previous top-k)")
+    e.add_argument("--no-overlap", action="store_true",
+                   help="every server (the baseline too) with --disable-overlap-schedule")
+    e.add_argument("--wait-for-staging", action="store_true",
+                   help='ours with "wait_for_staging": true (prefilled requests join decode in the same step '
+                        "as without HiSparse; with --no-overlap the decode batches are the baseline's)")
     e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE) + 1,
                    help="--max-running-requests of every server; default 19: SGLang 0.5.17 without HiSparse "
                         "decodes at most max-running-requests - 1 requests together "
@@ -330,7 +354,11 @@ def main() -> int:
     t.add_argument("--max-total-tokens", type=int, default=262144)
     t.add_argument("--budget-s", type=float, default=540)
     t.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     result = exactness(args) if args.cmd == "exactness" else throughput(args)
     result["command"] = " ".join(["python", "scripts/gpu/e2e.py"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm SGLANG_DG_CACHE_DIR=/tmp/jit/deep_gemm
 export TRITON_CACHE_DIR=/tmp/jit/triton FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer SGLANG_CACHE_DIR=/tmp/jit/sglang
 export SGLANG_HISPARSE_DUMMY_INIT=normal OUT
+rm -rf /tmp/e2e_logs  # a warm machine keeps the last call's server logs; bring back only this call's
 log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1); python $(python3 -V 2>&1)"
 python3 -c "import torch, sglang, sglang_hisparse; print('versions', torch.__version__, sglang.__version__, sglang_hisparse.__file__)" 2>&1 | tail -1 | tee -a "$OUT/run.log"
 job=$1; shift
