@@ -34,6 +34,7 @@ FRAGMENTS = [
     ("gpu_run15/exact8.json", None),  # rows carry model, overlap_schedule, wait_for_staging
     ("gpu_run16/exact9.json", None),
     ("gpu_run17/tput2.json", None),  # a repetition of two points on another lent machine
+    ("gpu_run18/tput3.json", None),  # ours at concurrency 1 once more (upstream skipped: time budget)
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -71,6 +72,8 @@ DEVICE_CALLS = {
                  "--out $OUT/exact9.json",
     "gpu_run17": "bash scripts/gpu/run.sh e2e throughput --impls upstream,ours --concurrency 1,32 --budget-s 400 "
                  "--out $OUT/tput2.json",
+    "gpu_run18": "bash scripts/gpu/run.sh e2e throughput --impls ours,upstream --concurrency 1 --budget-s 170 "
+                 "--out $OUT/tput3.json",
 }
 # The main throughput sweep; other throughput runs are repetitions of some of its points.
 MAIN_SWEEP = "gpu_run12"
