@@ -240,18 +240,17 @@ def exactness(args) -> dict:
     rows, baselines, traces = [], {}, {}
     for impl, buffer, graph_mode, workload in configs:
         graph, graph_bs = parse_graph(graph_mode)
+        head = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload}
         key = (graph_mode, workload)
         if time.time() - t0 > args.budget_s - (150 if key in baselines else 220):
-            rows.append({"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
-                         "skipped": "time budget"})
+            rows.append({**head, "skipped": "time budget"})
             continue
         try:
             if key not in baselines:
                 baselines[key], _, traces[key] = run_workload("none", buffer, graph_mode, workload, args)
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
-            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
-                   "lockstep": workload == "lockstep", "model": args.model, "overlap_schedule": not args.no_overlap,
+            row = {**head, "lockstep": workload == "lockstep", "model": args.model, "overlap_schedule": not args.no_overlap,
                    "wait_for_staging": args.wait_for_staging and impl == "ours", "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
@@ -259,8 +258,7 @@ def exactness(args) -> dict:
                    "digests": digests(outputs), "baseline_digests": digests(baselines[key]),
                    "idle_report": report}
         except Exception as e:  # noqa: BLE001 - record and go on with the next config
-            row = {"impl": impl, "B": buffer, "cuda_graph": graph, "graph_bs": graph_bs, "workload": workload,
-                   "error": repr(e)[:2000]}
+            row = {**head, "error": repr(e)[:2000]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("idle_report", "digests", "baseline_digests")}),
               flush=True)
