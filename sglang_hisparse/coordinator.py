@@ -1,46 +1,38 @@
-"""The HiSparse coordinator: request lifecycle, hot buffers, write-through and per-layer resolve.
+"""The coordinator: SGLang's HiSparse protocol, implemented by delegating to our components.
 
-Replaces SGLang's ``HiSparseCoordinator`` and implements every member of the SGLang 0.5.17
-coordinator protocol (methods ``set_decode_producer_stream``, ``destroy``, ``get_token_stats``,
-``admit_request_into_staging``, ``admit_request_direct``, ``request_finished``, ``retract_req``,
-``collect_ready_reqs``, ``has_ongoing_staging``, ``host_token_len``, ``map_last_loc_to_buffer``,
-``wait_for_pending_backup``, ``swap_in_selected_pages``; attributes ``num_real_reqs``,
-``mem_pool_host``, ``req_to_host_pool``, ``req_to_host_pool_allocated_len``,
-``padded_buffer_size``, ``raw_indices_buffer``).
+Replaces SGLang's ``HiSparseCoordinator``. SGLang 0.5.17 calls exactly these members (the
+protocol; names are SGLang's): methods ``set_decode_producer_stream``, ``destroy``,
+``get_token_stats``, ``admit_request_into_staging``, ``admit_request_direct``,
+``request_finished``, ``retract_req``, ``collect_ready_reqs``, ``has_ongoing_staging``,
+``host_token_len``, ``map_last_loc_to_buffer``, ``wait_for_pending_backup``,
+``swap_in_selected_pages``; attributes ``num_real_reqs``, ``mem_pool_host``,
+``req_to_host_pool``, ``req_to_host_pool_allocated_len``, ``padded_buffer_size``,
+``raw_indices_buffer``.
 
-Lifecycle of a request (mixed deployment): prefill writes device rows -> staging copies all
-layers to host on a side stream -> when the copy is done (all TP ranks agree) the request's
-first device rows become its hot buffer -> each decode step backs up the previous token to host,
-grows short buffers, maps the new token to the newest slot, and resolves every layer's top-k
--> finish, retract or abort frees everything (idempotent). PD decode admits a request whose KV
-is already in host (``admit_request_direct``).
-
-Owns (per request slot, preallocated so CUDA graphs see fixed addresses): the hot-buffer row
-table ``hot_locs``, each layer's slot table and LRU order, the position -> host row table, the
-resolver output, ``num_real_reqs``, the hit/miss counters, the staging queue, the streams and
-events. The allocator owns ids, rows and the mapping; the host pool owns host rows.
+The work is done by components with one owner each (docs/design.md, "Ownership"):
+:class:`~sglang_hisparse.host_mirror.HostMirror` (host rows, staging, write-through),
+:class:`~sglang_hisparse.hot_buffers.HotBuffers` (hot-buffer rows and per-layer slot tables),
+:class:`~sglang_hisparse.stats.ResolveStats` (counters, step lines, idle reports) and the
+resolver chosen at start-up. The allocator (ids, rows, mapping) and the device pool are SGLang's
+objects of our classes, passed in. This class holds only the per-step resolver buffers.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 from typing import Any, List, NamedTuple, Optional
 
 import torch
 
+from sglang_hisparse.admission import Capacity, check_startup
 from sglang_hisparse.config import HiSparseConfig
-from sglang_hisparse.host_pool import HiSparseHostPool
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.host_mirror import HostMirror
+from sglang_hisparse.hot_buffers import HotBuffers
 from sglang_hisparse.resolver.dispatch import make_resolver
+from sglang_hisparse.stats import ResolveStats
 
 logger = logging.getLogger(__name__)
-
-
-FAULT_ENV = "SGLANG_HISPARSE_TEST_FAULT"
-"""Test-only fault switch: ``wrong_row`` makes every resolve return one wrong device row per
-request (the first selection points at the newest token's row), so end-to-end tests can prove
-they detect a broken resolver."""
 
 
 class HiSparseTokenStats(NamedTuple):
@@ -50,21 +42,9 @@ class HiSparseTokenStats(NamedTuple):
     host_token_usage: float
 
 
-@dataclass
-class _StagingTicket:
-    start_event: Any
-    finish_event: Any
-    req: Any
-    device_rows: torch.Tensor
-    host_rows: torch.Tensor
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 class HiSparseCoordinator:
-    """See the module docstring. Constructor matches SGLang's (keyword ``config`` is ours)."""
+    """Constructor arguments are SGLang's; ``config`` (keyword) is ours: without it the typed
+    config is read from SGLang's published server arguments and must agree with them."""
 
     def __init__(
         self,
@@ -81,391 +61,208 @@ class HiSparseCoordinator:
         pin_memory: Optional[bool] = None,
         host_to_device_ratio_override: Optional[float] = None,
     ):
-        self.config = config or _config_from_server_args(
-            top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size
-        )
+        self.config = config or published_config((top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size))
+        device = torch.device(device)
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
         self.device_pool = self.allocator.get_kvcache()
-        self.device = torch.device(device)
-        self.device_module = torch.get_device_module(self.device)
-        self.top_k = top_k
-        self.device_buffer_size = B = device_buffer_size
-        self.page_size = P = self.allocator.page_size
-        self.padded_buffer_size = _round_up(B + 1, P)
-        self.layer_num = self.device_pool.layer_num
         self.tp_group = tp_group
-        self.tp_world_size = torch.distributed.get_world_size(group=tp_group)
-
-        if pin_memory is None:
-            pin_memory = self.device.type == "cuda"
-        host_ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
-        self.mem_pool_host = HiSparseHostPool(self.device_pool, host_ratio, P, pin_memory)
-        self.allocator.configure(self.padded_buffer_size, self.mem_pool_host.capacity_tokens)
-
+        self._ranks = torch.distributed.get_world_size(group=tp_group)
         max_reqs = req_to_token_pool.req_to_token.shape[0]
-        max_context = req_to_token_pool.max_context_len
-        dev = self.device
-        self.hot_locs = torch.zeros((max_reqs, self.padded_buffer_size), dtype=torch.int32, device=dev)
-        self.hot_capacity = [0] * max_reqs
-        self.hot_reserved = [0] * max_reqs
-        self.slot_tokens = torch.full((self.layer_num, max_reqs, B), -1, dtype=torch.int32, device=dev)
-        self._lru_init = torch.arange(B, dtype=torch.int16, device=dev)
-        self.lru = self._lru_init.repeat(self.layer_num, max_reqs, 1).contiguous()
-        self._slot_positions = torch.arange(B, dtype=torch.int32, device=dev)
-        self.req_to_host_pool = torch.full((max_reqs, max_context + P), -1, dtype=torch.int64, device=dev)
-        self.req_to_host_pool_allocated_len = torch.zeros(max_reqs, dtype=torch.int64)
-        self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=dev)
-        self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=dev)
-        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.counters = torch.zeros(2, dtype=torch.int64, device=dev)  # selected, misses
-
-        self.write_staging_stream = self.device_module.Stream()
-        self.decode_backup_stream = self.device_module.Stream()
-        self.decode_producer_stream = None
-        self._backup_done_event = self.device_module.Event()
-        self._has_pending_backup = False
-        self._staging: List[_StagingTicket] = []
-        self._skip_first_backup = [False] * max_reqs
-        self._waiting_for_device = False
-
-        self._fault = os.environ.get(FAULT_ENV, "")
-        if self._fault not in ("", "wrong_row"):
-            raise ValueError(f"{FAULT_ENV}={self._fault!r}: allowed values are wrong_row or unset")
-        if self._fault:
-            logger.warning("sglang-hisparse: test fault %s is ON: outputs will be wrong", self._fault)
-        self._decode_steps = 0
-        self._last_counters = (0, 0)
-        self._initial_free = None
-        self._last_idle_report: Optional[tuple] = None
-
-        self._resolve = make_resolver(self.config, dev, max_reqs, top_k)
-        self._resolve.warmup(self.device_pool.row_bytes, B, top_k)
-        self._initial_free = self.free_counts()
+        self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
+                              buffer_size=device_buffer_size, device=device)
+        ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
+        self.mirror = HostMirror(self.device_pool, ratio, max_reqs=max_reqs, max_context=req_to_token_pool.max_context_len,
+                                 device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
+        self.allocator.configure(self.hot.padded, self.mirror.pool.capacity_tokens)
+        self.capacity = self._capacity()
+        check_startup(self.capacity)
+        self._producer_stream = None
+        self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval,
+                                  row_bytes=self.device_pool.row_bytes, free_counts=self.free_counts)
+        self._resolve = make_resolver(self.config, device, max_reqs, top_k)
+        self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
+        self._waiting_since: Optional[str] = None
         logger.info(
-            "sglang-hisparse coordinator: B=%d (+ newest, %d rows per request), top_k=%d, "
-            "layers=%d, host rows=%d, resolver=%s",
-            B, self.padded_buffer_size, top_k, self.layer_num,
-            self.mem_pool_host.capacity_tokens, self._resolve.name,
+            "sglang-hisparse coordinator: B=%d (%d rows per decoding request), top_k=%d, layers=%d, "
+            "resolver=%s; admission room when idle %d tokens (%s)",
+            device_buffer_size, self.hot.padded, top_k, self.device_pool.layer_num, self._resolve.name,
+            self.capacity.idle_room, self.capacity.describe(),
         )
+
+    # --- protocol attributes owned by components ---------------------------------------------
+    @property
+    def mem_pool_host(self):
+        return self.mirror.pool
+
+    @property
+    def req_to_host_pool(self) -> torch.Tensor:
+        return self.mirror.row_table
+
+    @property
+    def req_to_host_pool_allocated_len(self) -> torch.Tensor:
+        return self.mirror.rows_allocated
+
+    @property
+    def padded_buffer_size(self) -> int:
+        return self.hot.padded
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
-        self.decode_producer_stream = stream
+        self._producer_stream = stream
+        self.mirror.producer_stream = stream
 
     def has_ongoing_staging(self) -> bool:
-        return len(self._staging) > 0
+        return self.mirror.staged_count() > 0
 
     def host_token_len(self, kv_allocated_len: int) -> int:
         return kv_allocated_len
 
     def get_token_stats(self) -> HiSparseTokenStats:
-        device_total = self.allocator.device_size
+        device_total, host_total = self.allocator.device_size, self.mirror.pool.capacity_tokens
         device_used = device_total - self.allocator.physical.available_tokens()
-        host_total = self.mem_pool_host.capacity_tokens
-        host_used = host_total - self.mem_pool_host.available_size()
-        return HiSparseTokenStats(
-            device_tokens=device_used,
-            device_token_usage=device_used / device_total if device_total else 0.0,
-            host_tokens=host_used,
-            host_token_usage=host_used / host_total if host_total else 0.0,
-        )
+        host_used = host_total - self.mirror.pool.available_size()
+        return HiSparseTokenStats(device_used, device_used / device_total if device_total else 0.0,
+                                  host_used, host_used / host_total if host_total else 0.0)
 
     def destroy(self) -> None:
-        """Drain side streams and release the host pool (idempotent)."""
-        _synchronize(self.write_staging_stream)
-        _synchronize(self.decode_backup_stream)
-        self.mem_pool_host.destroy()
+        """Wait for every copy in flight, then release the host pool."""
+        self.mirror.drain()
+        self.mirror.pool.destroy()
 
-    # --- admission ---------------------------------------------------------------------------
+    # --- into decode -------------------------------------------------------------------------
     def admit_request_into_staging(self, req) -> None:
-        """After prefill: copy all layers of the request's KV to host on the staging stream."""
-        req.hisparse_staging = True
-        n = req.extend_range.end
-        idx = req.req_pool_idx
-        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
-        device_rows = self.allocator.device_rows_of(logical)
-        host_rows = self.mem_pool_host.alloc_paged_token_slots(
-            self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, 0, n
-        )
-        start, finish = self.device_module.Event(), self.device_module.Event()
-        start.record()
-        with self.device_module.stream(self.write_staging_stream):
-            start.wait(self.write_staging_stream)
-            self.mem_pool_host.write_back(self.device_pool, device_rows, host_rows)
-            finish.record(self.write_staging_stream)
-        self._staging.append(_StagingTicket(start, finish, req, device_rows, host_rows))
+        """After prefill: copy the request's KV (every layer) to host rows off the critical path."""
+        self.stats.note_activity()
+        self.mirror.stage(req, self.allocator.device_rows_of(self._logical_ids(req, req.extend_range.end)))
 
     def collect_ready_reqs(self) -> List[Any]:
-        """Requests whose staging finished on every TP rank and whose hot buffer fits, in order.
+        """Staged requests, in order, whose copy finished on every rank and whose hot buffer fits.
 
-        A request whose hot buffer does not fit yet stays in staging (it and the ones behind
-        it wait for device rows to be freed); this is logged once per episode. With
-        ``wait_for_staging`` the host blocks here until every staging copy has finished, so
-        that every staged request is offered a hot buffer now.
+        The ready count is agreed with a MIN all-reduce over the attention TP group so every
+        rank returns the same requests. A request whose hot buffer does not fit yet stays in
+        staging with the ones behind it (logged once per episode). With ``wait_for_staging`` the
+        host first waits for every staging copy.
         """
-        if not self._staging:
+        if not self.mirror.staged_count():
             return []
-        if self.config.wait_for_staging:
-            for ticket in self._staging:
-                ticket.finish_event.synchronize()
-        done = 0
-        for ticket in self._staging:
-            if not ticket.finish_event.query():
-                break
-            done += 1
-        if self.tp_world_size > 1:
-            agreed = torch.tensor(done, dtype=torch.int64)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-            done = int(agreed)
+        copied = self.mirror.copied_prefix(block=self.config.wait_for_staging)
         ready = []
-        for ticket in self._staging[:done]:
-            if not self._take_hot_buffer(ticket.req, preload=False):
-                if not self._waiting_for_device:
-                    logger.info(
-                        "sglang-hisparse: request %s waits in staging for device rows (%s)",
-                        ticket.req.rid, self.allocator.debug_print(),
-                    )
-                self._waiting_for_device = True
+        for req in copied[: self._agreed(len(copied))]:
+            if self.hot.open(req.req_pool_idx, self._logical_ids(req, req.kv.kv_allocated_len), filled=True) is None:
+                self._log_waiting(req)
                 break
-            self._waiting_for_device = False
-            ticket.req.hisparse_staging = False
-            self._skip_first_backup[ticket.req.req_pool_idx] = True
-            ready.append(ticket.req)
-        del self._staging[: len(ready)]
+            self.mirror.pop_staged()
+            ready.append(req)
+        if ready:
+            self._waiting_since = None
         return ready
 
     def admit_request_direct(self, req) -> None:
-        """PD decode: the request's KV is already in host rows; give it a hot buffer."""
-        if not self._take_hot_buffer(req, preload=True):
-            raise RuntimeError(
+        """PD decode: the request's KV is already in its host rows; give it a hot buffer (short
+        requests are loaded from host, long ones start empty and miss on first use)."""
+        idx, n = req.req_pool_idx, req.kv.kv_allocated_len
+        rows = self.hot.open(idx, self._logical_ids(req, n), filled=n <= self.hot.buffer_size)
+        if rows is None:
+            raise HiSparsePluginError(
                 f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
                 f"({self.allocator.debug_print()}); the PD admission budget should prevent this"
             )
-        req.hisparse_staging = False
-        self._skip_first_backup[req.req_pool_idx] = True
-
-    def _take_hot_buffer(self, req, preload: bool) -> bool:
-        idx = req.req_pool_idx
-        n = req.kv.kv_allocated_len
-        keep = min(_round_up(n, self.page_size), self.padded_buffer_size)
-        logical = self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64)
-        rows = self.allocator.take_hot_buffer(logical, keep)
-        if rows is None:
-            return False
-        self.hot_locs[idx, :keep] = rows.to(torch.int32)
-        self.hot_capacity[idx] = keep
-        self.hot_reserved[idx] = self.padded_buffer_size - keep
-        self.lru[:, idx, :] = self._lru_init
-        if preload and n > self.device_buffer_size:
-            # Long PD request: nothing is on device yet; every first selection misses.
-            self.slot_tokens[:, idx, :] = -1
-        else:
-            self.slot_tokens[:, idx, :] = self._slot_positions
-            if preload:
-                host_rows = self.req_to_host_pool[idx, :n]
-                self.mem_pool_host.load_rows(self.device_pool, host_rows, rows[:n])
-        return True
+        if n <= self.hot.buffer_size:
+            self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows[:n])
+        self.mirror.mark_complete(idx, n)
+        self.stats.note_activity()
 
     # --- decode steps ------------------------------------------------------------------------
-    def map_last_loc_to_buffer(
-        self,
-        seq_lens: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        req_pool_indices_cpu: torch.Tensor,
-    ) -> None:
-        """Before a decode step (``seq_lens`` already count the new token): back up the previous
-        token to host, grow short hot buffers, and map the new token to its hot-buffer row."""
-        lens = seq_lens_cpu.tolist()
-        idxs = req_pool_indices_cpu.tolist()
-        self._log_step_stats(len(lens))
-        self._backup_previous_tokens(lens, idxs)
-        self._grow_short_buffers(lens, idxs)
-        newest_slot = (seq_lens.to(torch.int64) - 1).clamp(max=self.device_buffer_size)
-        rows = self.hot_locs[req_pool_indices, newest_slot]
-        self.allocator.map_logical(out_cache_loc, rows)
-
-    def _backup_previous_tokens(self, lens: list[int], idxs: list[int]) -> None:
-        """Write-through: the token decoded last step (position seq_len - 2) goes to host."""
-        reqs, positions = [], []
-        for seq_len, idx in zip(lens, idxs):
-            if self._skip_first_backup[idx]:
-                self._skip_first_backup[idx] = False
-                continue
-            position = seq_len - 2
-            self.mem_pool_host.ensure_allocated(
-                self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx, position + 1
-            )
-            reqs.append(idx)
-            positions.append(position)
-        if not reqs:
-            return
-        req_t = torch.tensor(reqs, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        host_rows_t = self.req_to_host_pool[req_t, pos_t]
-        device_rows_t = self.hot_locs[req_t, pos_t.clamp(max=self.device_buffer_size)].to(torch.int64)
-        self.wait_for_pending_backup()
-        schedule_stream = self.device_module.current_stream()
-        with self.device_module.stream(self.decode_backup_stream):
-            self.decode_backup_stream.wait_stream(schedule_stream)
-            if self.decode_producer_stream is not None:
-                self.decode_backup_stream.wait_stream(self.decode_producer_stream)
-            self.mem_pool_host.write_back(self.device_pool, device_rows_t, host_rows_t)
-            self._backup_done_event.record(self.decode_backup_stream)
-        if device_rows_t.is_cuda:
-            device_rows_t.record_stream(self.decode_backup_stream)
-            host_rows_t.record_stream(self.decode_backup_stream)
-        self._has_pending_backup = True
-
-    def _grow_short_buffers(self, lens: list[int], idxs: list[int]) -> None:
-        """A request with seq_len <= B + 1 needs slot seq_len - 1; grow by pages from its
-        reservation (made when it entered decode, so this never fails)."""
-        for seq_len, idx in zip(lens, idxs):
-            needed = min(seq_len, self.device_buffer_size + 1)
-            capacity = self.hot_capacity[idx]
-            if needed <= capacity:
-                continue
-            new_capacity = _round_up(needed, self.page_size)
-            rows = self.allocator.grow_hot_buffer(new_capacity - capacity)
-            self.hot_locs[idx, capacity:new_capacity] = rows.to(torch.int32)
-            self.hot_reserved[idx] -= new_capacity - capacity
-            self.hot_capacity[idx] = new_capacity
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
+        """Before a decode step (``seq_lens`` count the new token): write the previous token
+        through to host, grow short buffers, and map the new token's logical id to its newest slot."""
+        lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
+        self.stats.note_decode_step(len(lens))
+        self.mirror.write_through(idxs, lens, self.hot.rows_of_positions)
+        self.hot.grow(idxs, lens)
+        self.allocator.map_logical(out_cache_loc, self.hot.rows_of_positions(req_pool_indices, seq_lens - 1))
 
     def wait_for_pending_backup(self) -> None:
-        """Make the current stream wait for the last write-through (before a forward reuses the
-        newest slot)."""
-        if not self._has_pending_backup:
-            return
-        self._backup_done_event.wait(self.device_module.current_stream())
-        self._has_pending_backup = False
+        """Order the forward after the last write-through (it overwrites the newest slot)."""
+        self.mirror.order_forward_after_write_through()
 
-    def swap_in_selected_pages(
-        self,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        top_k_result: torch.Tensor,
-        layer_id: int,
-    ) -> torch.Tensor:
-        """Resolve one layer's selection to device rows (int32 [num_reqs, top_k]).
-
-        Graph safe: reads ``num_real_reqs`` on device, writes the preallocated output buffer.
-        """
-        num_reqs = req_pool_indices.shape[0]
-        out = self.top_k_device_locs_buffer[:num_reqs]
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
+        """Resolve one layer's selection to device rows (int32 [num_reqs, top_k]). Graph safe:
+        reads ``num_real_reqs`` on device and writes the preallocated output buffer."""
+        out = self.top_k_device_locs_buffer[: req_pool_indices.shape[0]]
         self._resolve(
-            top_k_positions=top_k_result,
-            seq_lens=seq_lens,
-            req_pool_indices=req_pool_indices,
-            hot_locs=self.hot_locs,
-            slot_tokens=self.slot_tokens[layer_id],
-            lru=self.lru[layer_id],
-            host_locs=self.req_to_host_pool,
-            host_kv=self.mem_pool_host.kv_buffer[layer_id],
-            device_kv=self.device_pool.kv_buffer[layer_id],
-            out=out,
-            num_real_reqs=self.num_real_reqs,
-            device_buffer_size=self.device_buffer_size,
-            skip_io=self.config.skip_io,
-            counters=self.counters,
+            top_k_positions=top_k_result, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
+            hot_locs=self.hot.slot_rows, slot_tokens=self.hot.slot_positions[layer_id],
+            lru=self.hot.recency[layer_id], host_locs=self.mirror.row_table,
+            host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id],
+            out=out, num_real_reqs=self.num_real_reqs, device_buffer_size=self.hot.buffer_size,
+            skip_io=self.config.skip_io, counters=self.stats.counters,
         )
-        if self._fault == "wrong_row":
-            newest_slot = (seq_lens.to(torch.int64) - 1).clamp(max=self.device_buffer_size)
-            newest_rows = self.hot_locs[req_pool_indices, newest_slot]
-            out[:, 0] = torch.where(out[:, 0] >= 0, newest_rows, out[:, 0])
         return out
 
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:
-        """Free the request's hot buffer, host rows and mapping. Idempotent."""
-        if getattr(req, "hisparse_staging", False):
-            self.abort_staging_request(req)
-            return
-        if self.decode_producer_stream is not None:
-            self.device_module.current_stream().wait_stream(self.decode_producer_stream)
-        self.wait_for_pending_backup()
+        """Free everything the request holds here: hot buffer, host rows, mapping. Idempotent;
+        a request still in staging leaves staging."""
         idx = req.req_pool_idx
         if idx is None:
             return
-        capacity = self.hot_capacity[idx]
-        if capacity:
-            rows = self.hot_locs[idx, :capacity].to(torch.int64)
-            self.allocator.release_hot_buffer(rows, self.hot_reserved[idx])
+        if self.mirror.is_staged(req):
+            self._leave_staging(req)
+            return
+        if self._producer_stream is not None:  # the overlapped forward may still read its rows
+            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
+        self.mirror.order_forward_after_write_through()
         if req.kv is not None:
-            self.allocator.unmap_logical(
-                self.req_to_token_pool.req_to_token[idx, : req.kv.kv_allocated_len].to(torch.int64)
-            )
-        self.mem_pool_host.free_request_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
-        self._reset_slot(idx)
-
-    def abort_staging_request(self, req) -> None:
-        """A request still in staging leaves: drop its ticket, wait for its copy, free its
-        prefill rows and host rows. Idempotent."""
-        self._staging = [t for t in self._staging if t.req is not req]
-        _synchronize(self.write_staging_stream)
-        idx = req.req_pool_idx
-        n = req.extend_range.end
-        self.allocator.free_prefill_rows(self.req_to_token_pool.req_to_token[idx, :n].to(torch.int64))
-        self.mem_pool_host.free_request_slots(self.req_to_host_pool, self.req_to_host_pool_allocated_len, idx)
-        self._reset_slot(idx)
-        req.hisparse_staging = False
+            self.allocator.unmap_logical(self._logical_ids(req, req.kv.kv_allocated_len))
+        self.hot.close(idx)
+        self.mirror.forget(idx)
+        self.stats.note_activity()
 
     def retract_req(self, req) -> None:
-        if getattr(req, "hisparse_staging", False):
-            self.abort_staging_request(req)
-        else:
-            self.request_finished(req)
+        self.request_finished(req)
 
-    def _reset_slot(self, idx: int) -> None:
-        self.hot_locs[idx].zero_()
-        self.hot_capacity[idx] = 0
-        self.hot_reserved[idx] = 0
-        self.slot_tokens[:, idx, :] = -1
-        self.lru[:, idx, :] = self._lru_init
-        self._skip_first_backup[idx] = False
+    def _leave_staging(self, req) -> None:
+        """A staged request leaves: wait for its copy, free its prefill rows and host rows."""
+        self.mirror.drop_staged(req)
+        self.allocator.free_prefill_rows(self._logical_ids(req, req.extend_range.end))
+        self.mirror.forget(req.req_pool_idx)
+        self.stats.note_activity()
 
-    # --- observability -----------------------------------------------------------------------
-    def _log_step_stats(self, batch_size: int) -> None:
-        """Every ``stats_log_interval`` decode steps, log what the resolver did since the last
-        line (reads device counters: a synchronization, so it is off by default)."""
-        self._decode_steps += 1
-        interval = self.config.stats_log_interval
-        if not interval or self._decode_steps % interval:
-            return
-        selected, misses = self.counter_values()
-        d_sel, d_miss = selected - self._last_counters[0], misses - self._last_counters[1]
-        self._last_counters = (selected, misses)
-        logger.info(
-            "sglang-hisparse step %d: batch %d, selected rows %d, hits %d, misses %d "
-            "(hit rate %.1f%%), bytes copied %d",
-            self._decode_steps, batch_size, d_sel, d_sel - d_miss, d_miss,
-            100.0 * (d_sel - d_miss) / d_sel if d_sel else 100.0, d_miss * self.device_pool.row_bytes,
-        )
+    # --- helpers and observability -----------------------------------------------------------
+    def _logical_ids(self, req, n: int) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+
+    def _agreed(self, count: int) -> int:
+        """The smallest ``count`` over the ranks (all ranks must admit the same requests)."""
+        if self._ranks == 1:
+            return count
+        value = torch.tensor(count, dtype=torch.int64)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return int(value)
+
+    def _log_waiting(self, req) -> None:
+        if self._waiting_since != req.rid:
+            logger.info("sglang-hisparse: request %s waits in staging for device rows (%s)",
+                        req.rid, self.allocator.debug_print())
+            self._waiting_since = req.rid
+
+    def _capacity(self) -> Capacity:
+        a = self.allocator
+        return Capacity(device_rows=a.device_size, hot_buffer_rows=self.hot.padded, page_size=a.page_size,
+                        logical_ids=a.logical_size, host_rows=self.mirror.pool.capacity_tokens,
+                        device_buffer_size=self.hot.buffer_size)
 
     def report_idle(self) -> Optional[str]:
-        """Once per busy -> idle transition: a log line with every pool's free count against its
-        initial value (``leak=no`` when all equal) and the lifetime resolver counters."""
-        counts = self.free_counts()
-        selected, misses = self.counter_values()
-        key = (tuple(counts.values()), selected, misses)
-        if key == self._last_idle_report:
-            return None
-        self._last_idle_report = key
-        leak = counts != self._initial_free
-        parts = " ".join(f"{k}={v}/{self._initial_free[k]}" for k, v in counts.items())
-        line = (
-            f"sglang-hisparse idle: {parts} leak={'yes' if leak else 'no'} "
-            f"selected={selected} misses={misses} "
-            f"miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self.device_pool.row_bytes}"
-        )
-        (logger.error if leak else logger.info)(line)
-        return line
+        """The idle line (see :class:`ResolveStats`), or None when nothing happened since the last."""
+        return self.stats.idle_report()
 
     def counter_values(self) -> tuple[int, int]:
-        """(selected, misses) over the server's life. Synchronizes with the device."""
-        selected, misses = self.counters.tolist()
-        return int(selected), int(misses)
+        return self.stats.totals()
 
     def free_counts(self) -> dict[str, int]:
         """Free rows of every pool (equal to their initial values when no request is live)."""
@@ -473,32 +270,27 @@ class HiSparseCoordinator:
             "logical_free": self.allocator.logical.available_tokens(),
             "device_free": self.allocator.physical.available_tokens(),
             "device_reserved": self.allocator.device_reserved,
-            "host_free": self.mem_pool_host.available_size(),
+            "host_free": self.mirror.pool.available_size(),
         }
 
 
-def _synchronize(stream) -> None:
-    sync = getattr(stream, "synchronize", None)
-    if sync is not None:  # CPU streams have none: their work is already done
-        sync()
+def published_config(passed: tuple[int, int, int, int]) -> HiSparseConfig:
+    """The server's typed config, read from SGLang's published server arguments; it must agree
+    with the ``(top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size)`` SGLang
+    passed to the constructor. Raises HiSparsePluginError otherwise (never rebuilds a config)."""
+    from sglang.srt.runtime_context import get_server_args
 
+    from sglang_hisparse.config import config_from_server_args
 
-def _config_from_server_args(top_k, device_buffer_size, ratio, block_size) -> HiSparseConfig:
-    """The server's typed config (through SGLang's published server args), checked against the
-    values SGLang passed; without published server args, a config from those values."""
     try:
-        from sglang.srt.runtime_context import get_server_args
-
-        from sglang_hisparse.config import config_from_server_args
-
-        config = config_from_server_args(get_server_args())
-    except (ValueError, AttributeError, AssertionError):
-        return HiSparseConfig(
-            top_k=top_k, device_buffer_size=device_buffer_size,
-            host_to_device_ratio=ratio, swap_in_block_size=block_size,
-        )
-    passed = (top_k, device_buffer_size, ratio, block_size)
+        server_args = get_server_args()
+    except ValueError as e:
+        raise HiSparsePluginError(
+            f"sglang-hisparse: the coordinator needs SGLang's published server arguments ({e}); "
+            "outside a server, pass config=HiSparseConfig(...)"
+        ) from e
+    config = config_from_server_args(server_args)
     ours = (config.top_k, config.device_buffer_size, config.host_to_device_ratio, config.swap_in_block_size)
     if passed != ours:
-        raise AssertionError(f"sglang-hisparse: SGLang passed {passed}, the typed config says {ours}")
+        raise HiSparsePluginError(f"sglang-hisparse: SGLang passed {passed}, the typed config says {ours}")
     return config

@@ -11,48 +11,22 @@ Reads, never writes: the mapping (owned by the allocator).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
 
 class HiSparseDevicePool(DSATokenToKVPool):
-    """Replaces SGLang's ``HiSparseDSATokenToKVPool`` (same constructor)."""
+    """Replaces SGLang's ``HiSparseDSATokenToKVPool``. SGLang builds it as it builds a DSA pool
+    (``size`` positional, the DSA pool's keywords) plus ``host_to_device_ratio``."""
 
-    def __init__(
-        self,
-        size: int,
-        page_size: int,
-        kv_lora_rank: int,
-        dtype: torch.dtype,
-        qk_rope_head_dim: int,
-        layer_num: int,
-        device: str,
-        index_head_dim: int,
-        enable_memory_saver: bool,
-        kv_cache_dim: int,
-        start_layer: Optional[int] = None,
-        end_layer: Optional[int] = None,
-        host_to_device_ratio: int = 2,
-    ):
-        super().__init__(
-            size=size,
-            page_size=page_size,
-            kv_lora_rank=kv_lora_rank,
-            dtype=dtype,
-            qk_rope_head_dim=qk_rope_head_dim,
-            layer_num=layer_num,
-            device=device,
-            index_head_dim=index_head_dim,
-            enable_memory_saver=enable_memory_saver,
-            kv_cache_dim=kv_cache_dim,
-            start_layer=start_layer,
-            end_layer=end_layer,
-            index_buf_size=size * host_to_device_ratio,
-        )
-        self.logical_to_device: Optional[torch.Tensor] = None
+    def __init__(self, size: int, *, host_to_device_ratio: int = 2, **dsa_pool_args: Any):
+        # KV rows: ``size`` (the device space). Indexer keys: one per logical id, so that a
+        # request's selection state never leaves the GPU while its KV lives in host rows.
+        super().__init__(size, index_buf_size=size * host_to_device_ratio, **dsa_pool_args)
         self.row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
+        self.logical_to_device: Optional[torch.Tensor] = None
 
     def attach_mapping(self, logical_to_device: torch.Tensor) -> None:
         """Called once by the allocator that owns the mapping."""

@@ -1,14 +1,16 @@
-"""Host KV pool: the authoritative copy of every decoding request's KV, in (pinned) DRAM.
+"""Host KV pool: host rows and their bytes, in (pinned) DRAM.
 
-Built on SGLang's HiCache host pool (``MLATokenToKVPoolHost``: layer-first buffers, pinning,
-the free-slot list and the device<->host transfer ops), with our page-granular per-request slot
-allocation on top. ``pin_memory`` is a constructor argument (False on machines without a GPU).
+Built on SGLang's generic HiCache host pool (``MLATokenToKVPoolHost``: layer-first buffers,
+pinning, the free-row list, the device <-> host transfer ops); ``pin_memory`` is a constructor
+argument (False on machines without a GPU). On top: page-granular rows per request, written into
+a position -> host row table that the caller owns and passes in (the host mirror's).
 
-Owns: host rows (the free-slot list) and the host KV bytes. The per-request position -> host
-row table (``req_to_host_pool``) belongs to the coordinator and is passed in; this class writes
-the rows it hands out into it.
+``MLATokenToKVPoolHost`` also mixes in SGLang's own HiSparse host-pool helpers. None of their
+behaviour is ours to inherit: :meth:`alloc_paged_token_slots` (which SGLang's PD decode path
+calls) is our own, and every other mixin member is blocked here (it raises if called).
 
-Copies use SGLang's transfer kernels on CUDA and a torch fallback elsewhere.
+Owns: host rows (the free-row list) and the host KV bytes. Copies use SGLang's transfer kernels
+on CUDA and torch indexing elsewhere.
 """
 
 from __future__ import annotations
@@ -23,13 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 class HiSparseHostPool(MLATokenToKVPoolHost):
-    def __init__(
-        self,
-        device_pool,
-        host_to_device_ratio: float,
-        page_size: int,
-        pin_memory: bool,
-    ):
+    def __init__(self, device_pool, host_to_device_ratio: float, page_size: int, pin_memory: bool):
         super().__init__(
             device_pool=device_pool,
             host_to_device_ratio=host_to_device_ratio,
@@ -46,10 +42,7 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
         """Rows this pool can hand out (whole pages)."""
         return (self.logical_size // self.page_size) * self.page_size
 
-    def _round_up(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
-
-    # --- per-request slots -------------------------------------------------------------------
+    # --- rows of one request -----------------------------------------------------------------
     def alloc_paged_token_slots(
         self,
         req_to_host_pool: torch.Tensor,
@@ -58,37 +51,30 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
         start_pos: int,
         num_tokens: int,
     ) -> torch.Tensor:
-        """Host rows of positions ``start_pos .. start_pos + num_tokens - 1`` of a request.
+        """Host rows of positions ``start_pos .. start_pos + num_tokens - 1`` of a request (the
+        contract SGLang's PD decode path calls: it writes the prefill's KV into these rows).
 
-        Grows the request's allocation by whole pages when the range passes its end (pages are
-        appended in position order; ``start_pos`` must not pass the allocated end). Writes the
-        new rows into ``req_to_host_pool`` and the new end into ``req_to_host_pool_allocated_len``.
-        Same contract as SGLang's PD decode path expects.
-
-        Raises RuntimeError if the pool is exhausted: admission (the allocator counts this pool)
-        makes that a bug, not a load condition.
+        Grows the request's rows by whole pages as needed (``start_pos`` must not pass the
+        request's allocated end). Raises RuntimeError when the pool is exhausted.
         """
         if num_tokens <= 0:
             return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
-        end = start_pos + num_tokens
         allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
         if start_pos > allocated:
-            raise AssertionError(f"host slots must grow in order: start {start_pos} > allocated {allocated}")
-        self.ensure_allocated(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
+            raise AssertionError(f"host rows must grow in order: start {start_pos} > allocated {allocated}")
+        end = start_pos + num_tokens
+        self.grow_request_rows(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
         return req_to_host_pool[req_pool_idx, start_pos:end]
 
-    def ensure_allocated(
-        self,
-        req_to_host_pool: torch.Tensor,
-        req_to_host_pool_allocated_len: torch.Tensor,
-        req_pool_idx: int,
-        end: int,
-    ) -> None:
-        """Grow a request's host rows by whole pages until positions ``0..end-1`` have one.
-        Writes the table only when a page is added (a decode step crosses a page boundary once
-        every page_size steps)."""
-        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
-        new_end = self._round_up(end)
+    def grow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int, end: int) -> None:
+        """Give positions ``0..end-1`` of a request a host row each, adding whole pages.
+
+        Side effects: pages taken from the free list; their rows written into ``table`` and the
+        new allocated end into ``lengths`` (only when a page is added). Raises RuntimeError when
+        the pool is exhausted: admission counts this pool, so that is a bug, not a load condition.
+        """
+        allocated = int(lengths[req_pool_idx])
+        new_end = -(-end // self.page_size) * self.page_size
         if new_end <= allocated:
             return
         rows = self.alloc(new_end - allocated)
@@ -97,27 +83,25 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
                 f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
                 f"{new_end - allocated} needed); admission should have prevented this"
             )
-        req_to_host_pool[req_pool_idx, allocated:new_end] = rows.to(req_to_host_pool.device, non_blocking=True)
-        req_to_host_pool_allocated_len[req_pool_idx] = new_end
+        table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
+        lengths[req_pool_idx] = new_end
 
-    def allocated_host_indices(self, req_to_host_pool, req_pool_idx: int, allocated_len: int) -> torch.Tensor:
-        rows = req_to_host_pool[req_pool_idx, : int(allocated_len)]
-        return rows[rows >= 0]
-
-    def free_request_slots(
-        self, req_to_host_pool: torch.Tensor, req_to_host_pool_allocated_len: torch.Tensor, req_pool_idx: int
-    ) -> int:
-        """Free every host row of a request and reset its table row. Returns rows freed."""
-        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
-        rows = self.allocated_host_indices(req_to_host_pool, req_pool_idx, allocated)
+    def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
+        """Return every host row of a request to the free list and clear its table row.
+        Returns the number of rows freed (0 for a request with none)."""
+        allocated = int(lengths[req_pool_idx])
+        if allocated == 0:
+            return 0
+        rows = table[req_pool_idx, :allocated]
+        rows = rows[rows >= 0]
         freed = self.free(rows) if rows.numel() else 0
-        req_to_host_pool[req_pool_idx, :allocated] = -1
-        req_to_host_pool_allocated_len[req_pool_idx] = 0
+        table[req_pool_idx, :allocated] = -1
+        lengths[req_pool_idx] = 0
         return freed
 
     # --- copies ------------------------------------------------------------------------------
     def write_back(self, device_pool, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Copy device rows to host rows, all layers (on the current stream)."""
+        """Copy device rows to host rows, every layer, on the current stream."""
         if device_rows.numel() == 0:
             return
         if device_rows.is_cuda:
@@ -128,7 +112,7 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
             self.kv_buffer[layer][dst] = device_pool.kv_buffer[layer][src].to(self.kv_buffer.device)
 
     def load_rows(self, device_pool, host_rows: torch.Tensor, device_rows: torch.Tensor, layer_id: Optional[int] = None) -> None:
-        """Copy host rows into device rows for one layer, or all layers when ``layer_id`` is None."""
+        """Copy host rows into device rows for one layer, or every layer when ``layer_id`` is None."""
         if device_rows.numel() == 0:
             return
         layers = range(self.layer_num) if layer_id is None else [layer_id]
@@ -137,3 +121,30 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
                 self.load_to_device_per_layer(device_pool, host_rows, device_rows, layer, io_backend="kernel")
             else:
                 device_pool.kv_buffer[layer][device_rows.cpu()] = self.kv_buffer[layer][host_rows.cpu()]
+
+
+def _block_inherited_hisparse_helpers(cls: type) -> list[str]:
+    """Shadow every member ``cls`` would inherit from SGLang's HiSparse host-pool mixin (and does
+    not define itself) by a method that raises. Returns the names blocked."""
+    from sglang.srt.mem_cache.pool_host.hisparse import HiSparseHostPoolMixin
+
+    def blocked(name: str):
+        def refuse(self, *args, **kwargs):
+            raise NotImplementedError(
+                f"sglang-hisparse: {cls.__name__}.{name} is SGLang's own HiSparse helper, which this "
+                "host pool does not use"
+            )
+
+        refuse.__name__ = name
+        return refuse
+
+    names = []
+    for name, member in vars(HiSparseHostPoolMixin).items():
+        if callable(member) and not name.startswith("__") and name not in vars(cls):
+            setattr(cls, name, blocked(name))
+            names.append(name)
+    return names
+
+
+BLOCKED_MIXIN_MEMBERS = tuple(_block_inherited_hisparse_helpers(HiSparseHostPool))
+"""SGLang HiSparse mixin members our host pool refuses (all but the PD protocol method)."""

@@ -5,6 +5,7 @@ back to its initial free count."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
+
+from sglang_hisparse.copy_lane import Fence
 
 
 def select(rng: random.Random, req: Request, top_k: int, overlap: float) -> list[int]:
@@ -55,12 +58,12 @@ def test_short_request_grows_through_the_fast_path_into_the_long_path(gloo_world
     rng = random.Random(1)
     req = Request(uid=2, prompt_len=20)  # keeps one page; grows page by page up to B + newest
     run_to_decode(rig, [req])
-    assert rig.coord.hot_capacity[req.req_pool_idx] == PAGE
+    assert rig.coord.hot.capacity[req.req_pool_idx] == PAGE
     for step in range(rig.B + 30):
         assert rig.decode_step([req])
         layer = step % rig.layers
         rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.5)])
-    assert rig.coord.hot_capacity[req.req_pool_idx] == rig.coord.padded_buffer_size
+    assert rig.coord.hot.capacity[req.req_pool_idx] == rig.coord.padded_buffer_size
     assert rig.allocator.device_reserved == 0
     rig.release(req)
     assert rig.counts() == rig.initial_counts
@@ -130,7 +133,7 @@ def test_requests_wait_in_staging_until_a_hot_buffer_fits(gloo_world):
 
 
 class _SlowCopyEvent:
-    """A staging copy that is still running until someone waits for it."""
+    """The event of a staging copy that is still running until someone waits for it."""
 
     def __init__(self):
         self.done = False
@@ -145,19 +148,21 @@ class _SlowCopyEvent:
 @pytest.mark.parametrize("wait", [False, True])
 def test_wait_for_staging_lets_every_staged_request_join_now(gloo_world, wait):
     """Without the key, a request whose host copy is still running stays in staging (it joins
-    a later step); with it, collect blocks until the copies are done and returns them all."""
+    a later step); with it, collect blocks until the copies are done and returns them all.
+    The slow copy is the newest one: copies of the staging lane finish in submission order."""
     rig = Rig(gloo_world, wait_for_staging=wait)
     reqs = [Request(uid=30 + i, prompt_len=200 + 50 * i) for i in range(3)]
     for r in reqs:
         assert rig.prefill(r)
         rig.stage(r)
     slow = _SlowCopyEvent()
-    rig.coord._staging[1].finish_event = slow
+    staged = rig.coord.mirror._staged
+    staged[2] = dataclasses.replace(staged[2], fence=Fence(staged[2].fence.seq, slow))
     ready = rig.collect()
     if wait:
         assert ready == reqs and slow.done and not rig.coord.has_ongoing_staging()
     else:
-        assert ready == reqs[:1] and rig.coord.has_ongoing_staging()
+        assert ready == reqs[:2] and rig.coord.has_ongoing_staging()
         slow.done = True
         ready += rig.collect()
         assert ready == reqs

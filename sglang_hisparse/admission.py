@@ -1,0 +1,93 @@
+"""Which requests a HiSparse server can ever admit, and whether the server can admit any.
+
+Pure policy on plain numbers (the allocator and the coordinator supply them; the seams in
+``patches/`` apply the answers). SGLang admits a request when its token budget fits what the
+allocator's ``available_size()`` reports; with HiSparse that number is bounded, even on an idle
+server, by the device pool minus one hot buffer (a prefill's rows stay on device until staging
+completes and a hot buffer must remain free), by the logical ids and by the host rows. A request
+whose budget exceeds that bound would wait in SGLang's queue forever and block every request
+behind it; :func:`refusal` names such a request so it can be refused at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from sglang_hisparse.errors import HiSparsePluginError
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The sizes that bound admission on an idle server (tokens = rows)."""
+
+    device_rows: int
+    hot_buffer_rows: int
+    """Rows one decoding request holds: B + the newest token's page, whole pages."""
+    page_size: int
+    logical_ids: int
+    host_rows: int
+    device_buffer_size: int
+
+    @property
+    def idle_room(self) -> int:
+        """What ``available_size()`` reports when no request is live."""
+        return max(0, min(self.logical_ids, self.host_rows, self.device_rows - self.hot_buffer_rows))
+
+    def largest_buffer_size(self) -> int:
+        """The largest B whose hot buffer leaves one page of the device pool for a prefill."""
+        pages_for_buffer = (self.device_rows - self.page_size) // self.page_size
+        return pages_for_buffer * self.page_size - 1
+
+    def describe(self) -> str:
+        return (
+            f"device pool {self.device_rows} rows - one hot buffer {self.hot_buffer_rows} rows "
+            f"(device_buffer_size={self.device_buffer_size} + newest page), logical ids {self.logical_ids}, "
+            f"host rows {self.host_rows}"
+        )
+
+
+def check_startup(capacity: Capacity) -> None:
+    """Raise HiSparsePluginError (one line, with the numbers) when no prefill can ever be admitted
+    next to a free hot buffer, i.e. the server would accept requests and never serve one."""
+    if capacity.idle_room >= capacity.page_size:
+        return
+    limit = capacity.largest_buffer_size()
+    fix = (
+        f"use device_buffer_size <= {limit}" if limit >= 1 else "no device_buffer_size fits"
+    )
+    raise HiSparsePluginError(
+        f"sglang-hisparse: invalid device_buffer_size={capacity.device_buffer_size}: one decoding request "
+        f"holds {capacity.hot_buffer_rows} device rows and a prefill needs at least one page "
+        f"({capacity.page_size}), but the device KV pool has {capacity.device_rows} rows; {fix}, or give "
+        "the pool more memory (--max-total-tokens, --mem-fraction-static)"
+    )
+
+
+def refusal(
+    capacity: Capacity, *, prompt_len: int, max_new_tokens: int, ignore_eos: bool, clip_new_tokens: int
+) -> Optional[str]:
+    """The error for a request SGLang could never admit on this server, or None.
+
+    Mirrors SGLang 0.5.17's PrefillAdder on an idle server (radix cache off, which HiSparse
+    requires): with ``ignore_eos`` the page-rounded prompt must fit the room; otherwise
+    ``prompt + min(max_new_tokens, clip) + page`` must be strictly below it.
+    """
+    page = capacity.page_size
+    room = capacity.idle_room
+    if ignore_eos:
+        need = -(-prompt_len // page) * page
+        admissible = need <= room
+        budget = f"prompt {prompt_len} rounded to pages"
+    else:
+        estimate = min(max_new_tokens, clip_new_tokens)
+        need = prompt_len + estimate + page
+        admissible = need < room
+        budget = f"prompt {prompt_len} + new-token estimate {estimate} + one page {page}"
+    if admissible:
+        return None
+    return (
+        f"sglang-hisparse: this request needs {need} tokens of admission room ({budget}) but this "
+        f"server never has more than {room} ({capacity.describe()}); shorten the prompt or "
+        "max_new_tokens, or restart with a smaller device_buffer_size or a larger KV pool"
+    )

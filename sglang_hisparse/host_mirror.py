@@ -1,0 +1,166 @@
+"""The host mirror: every decoding request's KV, complete, in host rows.
+
+Owns the host pool, the position -> host row table of every request slot, and the copies that
+keep the table's rows complete: *staging* (all of a prefill's rows, once, after the prefill) and
+*write-through* (each decode step, the token the previous step produced).
+
+Ordering (two :class:`~sglang_hisparse.copy_lane.CopyLane`\\ s, so that a long staging copy never
+delays a decode step):
+
+* staging lane: a prefill's copy runs after the prefill's forward (current stream). Its fence
+  tells when the request may leave staging; until then its prefill device rows stay allocated.
+* write-through lane: a step's copy runs after the current stream and the producer stream (the
+  overlap scheduler's forward, which wrote the token); the next forward is ordered after it with
+  :meth:`order_forward_after_write_through` before it writes the newest slot again.
+
+Invariant (per request slot): positions ``[0, mirrored_len)`` have a host row and a copy to it
+has been submitted; a decode step with ``seq_len = L`` submits ``[mirrored_len, L - 1)``, which
+is one position in steady state and none in the first step after staging or direct admission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Iterable, Optional
+
+import torch
+
+from sglang_hisparse.copy_lane import CopyLane, Fence
+from sglang_hisparse.host_pool import HiSparseHostPool
+
+
+@dataclass(frozen=True)
+class _Staged:
+    req: Any
+    fence: Fence
+
+
+class HostMirror:
+    def __init__(
+        self,
+        device_pool,
+        host_ratio: float,
+        *,
+        max_reqs: int,
+        max_context: int,
+        device: torch.device,
+        pin_memory: bool,
+    ):
+        page = device_pool.page_size
+        self.device_pool = device_pool
+        self.pool = HiSparseHostPool(device_pool, host_ratio, page, pin_memory)
+        self.row_table = torch.full((max_reqs, max_context + page), -1, dtype=torch.int64, device=device)
+        """int64 [max_reqs, max_context + page]: host row of each position (-1: none)."""
+        self.rows_allocated = torch.zeros(max_reqs, dtype=torch.int64)
+        """int64 [max_reqs] (CPU): positions of each request that have a host row (whole pages)."""
+        self.mirrored_len = [0] * max_reqs
+        self.producer_stream: Optional[Any] = None
+        self._staging_lane = CopyLane(device)
+        self._write_lane = CopyLane(device)
+        self._staged: Deque[_Staged] = deque()
+        self._unordered_write: Optional[Fence] = None
+
+    # --- staging -----------------------------------------------------------------------------
+    def stage(self, req: Any, device_rows: torch.Tensor) -> None:
+        """Queue the copy of a prefilled request's rows (positions ``0..n-1``) to host.
+
+        Side effects: host rows for the positions; a copy on the staging lane after the current
+        stream; the request joins the back of the staging queue.
+        """
+        idx, n = req.req_pool_idx, device_rows.numel()
+        host_rows = self.pool.alloc_paged_token_slots(self.row_table, self.rows_allocated, idx, 0, n)
+        fence = self._staging_lane.submit(
+            lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
+            reads=(device_rows, host_rows),
+        )
+        self.mirrored_len[idx] = n
+        self._staged.append(_Staged(req, fence))
+
+    def staged_count(self) -> int:
+        return len(self._staged)
+
+    def is_staged(self, req: Any) -> bool:
+        return any(entry.req is req for entry in self._staged)
+
+    def copied_prefix(self, *, block: bool) -> list[Any]:
+        """The requests at the front of the staging queue whose copy finished, in order. With
+        ``block`` the host first waits for every queued copy (all of them are then returned)."""
+        if block and self._staged:
+            self._staged[-1].fence.wait()  # one lane: the newest fence done means all are done
+        ready = []
+        for entry in self._staged:
+            if not entry.fence.done():
+                break
+            ready.append(entry.req)
+        return ready
+
+    def pop_staged(self) -> Any:
+        """Remove the front of the staging queue (its copy finished); returns its request."""
+        return self._staged.popleft().req
+
+    def drop_staged(self, req: Any) -> None:
+        """Remove ``req`` from the staging queue and block until its copy finished (its device
+        rows may then be freed and reused). No effect for a request not in the queue."""
+        for entry in list(self._staged):
+            if entry.req is req:
+                self._staged.remove(entry)
+                entry.fence.wait()
+
+    # --- direct admission (PD) ---------------------------------------------------------------
+    def mark_complete(self, req_pool_idx: int, n_tokens: int) -> None:
+        """The KV of positions ``0..n-1`` reached host rows by other means (PD transfer)."""
+        self.mirrored_len[req_pool_idx] = n_tokens
+
+    # --- write-through -----------------------------------------------------------------------
+    def write_through(
+        self,
+        req_pool_idxs: Iterable[int],
+        seq_lens: Iterable[int],
+        device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Submit the copy of every decoded position not yet mirrored (see the invariant).
+
+        ``device_rows_of(req_pool_idx, position)`` (int64 device tensors) gives the device row
+        holding each position now. Side effects: host rows for those positions; one copy on the
+        write-through lane after the current and producer streams.
+        """
+        reqs, positions = [], []
+        for idx, seq_len in zip(req_pool_idxs, seq_lens):
+            end = seq_len - 1
+            start = self.mirrored_len[idx]
+            if start >= end:
+                continue
+            self.pool.grow_request_rows(self.row_table, self.rows_allocated, idx, end)
+            reqs += [idx] * (end - start)
+            positions += range(start, end)
+            self.mirrored_len[idx] = end
+        if not reqs:
+            return
+        device = self.row_table.device
+        req_t = torch.tensor(reqs, dtype=torch.int64).to(device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+        host_rows = self.row_table[req_t, pos_t]
+        device_rows = device_rows_of(req_t, pos_t)
+        self._unordered_write = self._write_lane.submit(
+            lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
+            after=(self.producer_stream,),
+            reads=(device_rows, host_rows),
+        )
+
+    def order_forward_after_write_through(self) -> None:
+        """Make the current stream wait (on the device) for the last submitted write-through."""
+        if self._unordered_write is not None:
+            self._unordered_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
+            self._unordered_write = None
+
+    # --- leaving -----------------------------------------------------------------------------
+    def forget(self, req_pool_idx: int) -> None:
+        """Free a request's host rows and clear its table row (idempotent)."""
+        self.pool.free_request_rows(self.row_table, self.rows_allocated, req_pool_idx)
+        self.mirrored_len[req_pool_idx] = 0
+
+    def drain(self) -> None:
+        """Block until every submitted copy finished."""
+        self._staging_lane.drain()
+        self._write_lane.drain()

@@ -1,0 +1,99 @@
+"""Hot buffers: the device rows each decoding request holds, and what every layer keeps in them.
+
+A request's hot buffer is ``B`` slots plus one page whose first row (slot ``B``) always holds the
+newest token: ``padded = round_up(B + 1, page)`` device rows in all. Per request slot this table
+owns (preallocated, fixed addresses for CUDA graphs):
+
+* ``slot_rows`` (int32 [max_reqs, padded]): the device row of each slot;
+* ``capacity`` / ``reserve`` (host ints): slots with a row so far, rows promised for growth
+  (``capacity + reserve == padded`` while the request holds a buffer);
+* ``slot_positions`` (int32 [layers, max_reqs, B]): the position each slot holds in each layer,
+  -1 for none (written by the resolver, reset here);
+* ``recency`` (int16 [layers, max_reqs, B]): each layer's slots, least recently used first
+  (written by the resolver, reset here).
+
+A buffer starts either as the request's own first positions (slot ``p`` holds position ``p``:
+the staging path keeps the prefill's first pages) or empty (PD: a long request's first
+selections all miss). A short request (``seq_len <= B``) grows page by page from its reserve;
+rows come from and go back to the allocator, which owns every free list.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class HotBuffers:
+    def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device):
+        page = allocator.page_size
+        self.allocator = allocator
+        self.buffer_size = B = buffer_size
+        self.page_size = page
+        self.padded = -(-(B + 1) // page) * page
+        self.slot_rows = torch.zeros((max_reqs, self.padded), dtype=torch.int32, device=device)
+        self.capacity = [0] * max_reqs
+        self.reserve = [0] * max_reqs
+        self.slot_positions = torch.full((layers, max_reqs, B), -1, dtype=torch.int32, device=device)
+        self.recency = torch.empty((layers, max_reqs, B), dtype=torch.int16, device=device)
+        self._slot_numbers = torch.arange(B, dtype=torch.int32, device=device)
+        self.recency.copy_(self._slot_numbers.to(torch.int16).expand_as(self.recency))
+
+    def holds(self, idx: int) -> bool:
+        return self.capacity[idx] > 0
+
+    # --- opening -----------------------------------------------------------------------------
+    def open(self, idx: int, logical_ids: torch.Tensor, *, filled: bool) -> Optional[torch.Tensor]:
+        """Give request slot ``idx`` a hot buffer for its ``n = len(logical_ids)`` positions.
+
+        Keeps ``min(round_up(n, page), padded)`` rows: the device pages of its first positions
+        (pages not on device are allocated; the allocator frees the rest and clears the mapping)
+        and reserves the remainder of ``padded`` for growth. ``filled``: slot ``p`` holds
+        position ``p`` in every layer (its KV is in the kept rows, or will be loaded there by the
+        caller); otherwise every slot is empty. Returns the kept rows (int64), or None with
+        nothing changed when the device rows are not free.
+        """
+        keep = min(-(-logical_ids.numel() // self.page_size) * self.page_size, self.padded)
+        rows = self.allocator.take_hot_buffer(logical_ids, keep)
+        if rows is None:
+            return None
+        self.slot_rows[idx, :keep] = rows.to(torch.int32)
+        self.capacity[idx] = keep
+        self.reserve[idx] = self.padded - keep
+        self.slot_positions[:, idx] = self._slot_numbers if filled else -1
+        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+        return rows
+
+    def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
+        """Before a step: a request whose newest position ``seq_len - 1 <= B`` has no row yet gets
+        the next page(s) from its reserve (never fails: the allocator set the rows aside)."""
+        for idx, seq_len in zip(idxs, seq_lens):
+            needed = min(seq_len, self.buffer_size + 1)
+            have = self.capacity[idx]
+            if needed <= have:
+                continue
+            add = -(-needed // self.page_size) * self.page_size - have
+            self.slot_rows[idx, have : have + add] = self.allocator.grow_hot_buffer(add).to(torch.int32)
+            self.capacity[idx] = have + add
+            self.reserve[idx] -= add
+
+    # --- lookups -----------------------------------------------------------------------------
+    def rows_of_positions(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Device rows (int64) now holding ``positions`` as the newest or a fast-path token:
+        slot ``min(position, B)`` of each request."""
+        slots = positions.to(torch.int64).clamp(max=self.buffer_size)
+        return self.slot_rows[req_pool_idx, slots].to(torch.int64)
+
+    # --- closing -----------------------------------------------------------------------------
+    def close(self, idx: int) -> None:
+        """Give request slot ``idx``'s rows and unused reserve back and reset its tables
+        (idempotent). The caller unmaps the request's logical ids first."""
+        if self.capacity[idx]:
+            rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
+            self.allocator.release_hot_buffer(rows, self.reserve[idx])
+        self.slot_rows[idx].zero_()
+        self.capacity[idx] = 0
+        self.reserve[idx] = 0
+        self.slot_positions[:, idx] = -1
+        self.recency[:, idx] = self._slot_numbers.to(torch.int16)

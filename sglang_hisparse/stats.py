@@ -1,0 +1,79 @@
+"""What the resolver did, and whether every pool came back: counters, step lines, idle reports.
+
+Owns the device counters the resolver increments (``selected``: selected non-newest positions of
+requests past the fast path; ``misses``: those copied from host), the decode-step count, and the
+idle-report state. Reading a device counter synchronizes with the device, so step lines are off
+unless ``stats_log_interval`` asks for them, and idle reports run only when the server is idle.
+
+Idle report rule: one line per busy -> idle transition, where *busy* means some request was
+admitted or some decode step ran since the last report (:meth:`note_activity`). It does not
+depend on the counters changing: a server whose requests all stayed on the fast path (no
+selection counted) still reports.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+FreeCounts = dict[str, int]
+
+
+class ResolveStats:
+    def __init__(self, device: torch.device, *, log_interval: int, row_bytes: int, free_counts: Callable[[], FreeCounts]):
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+        """int64 [2] on the KV device: (selected, misses), incremented in place by the resolver."""
+        self._log_interval = log_interval
+        self._row_bytes = row_bytes
+        self._free_counts = free_counts
+        self.initial: FreeCounts = free_counts()
+        self._decode_steps = 0
+        self._logged = (0, 0)
+        self._busy = False
+
+    def totals(self) -> tuple[int, int]:
+        """(selected, misses) over the server's life. Synchronizes with the device."""
+        selected, misses = self.counters.tolist()
+        return int(selected), int(misses)
+
+    def note_activity(self) -> None:
+        """A request was admitted or left, or a decode step ran: the next idle report is due."""
+        self._busy = True
+
+    def note_decode_step(self, batch_size: int) -> None:
+        """Count a decode step; every ``log_interval`` steps log what the resolver did since the
+        last line (hit rate, misses, bytes copied)."""
+        self._busy = True
+        self._decode_steps += 1
+        if not self._log_interval or self._decode_steps % self._log_interval:
+            return
+        selected, misses = self.totals()
+        d_sel, d_miss = selected - self._logged[0], misses - self._logged[1]
+        self._logged = (selected, misses)
+        hit_rate = 100.0 * (d_sel - d_miss) / d_sel if d_sel else 100.0
+        logger.info(
+            "sglang-hisparse step %d: batch %d, selected rows %d, hits %d, misses %d "
+            "(hit rate %.1f%%), bytes copied %d",
+            self._decode_steps, batch_size, d_sel, d_sel - d_miss, d_miss, hit_rate, d_miss * self._row_bytes,
+        )
+
+    def idle_report(self) -> Optional[str]:
+        """The idle line when activity happened since the last one, else None. Logged at ERROR
+        with ``leak=yes`` when a pool's free count differs from its initial value."""
+        if not self._busy:
+            return None
+        self._busy = False
+        counts = self._free_counts()
+        selected, misses = self.totals()
+        leak = counts != self.initial
+        pools = " ".join(f"{name}={value}/{self.initial[name]}" for name, value in counts.items())
+        line = (
+            f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
+            f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"
+        )
+        (logger.error if leak else logger.info)(line)
+        return line

@@ -1,0 +1,109 @@
+"""The coordinator's components on CPU: start-up refusals, the idle report rule, the host pool's
+refusal of SGLang's own HiSparse helpers, and the copy lane's fences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rig import PAGE, Rig, Request
+
+from sglang_hisparse.admission import Capacity, refusal
+from sglang_hisparse.copy_lane import CopyLane
+from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.host_pool import BLOCKED_MIXIN_MEMBERS, HiSparseHostPool
+
+
+def test_a_hot_buffer_that_cannot_fit_the_device_pool_is_refused_at_start(gloo_world):
+    """B=128 needs 192 rows (3 pages) per decoding request; a 3-page pool leaves no page for a
+    prefill: the coordinator refuses with the numbers and the largest B that fits."""
+    with pytest.raises(HiSparsePluginError) as info:
+        Rig(gloo_world, device_rows=PAGE * 3, device_buffer_size=128)
+    message = str(info.value)
+    assert message.startswith("sglang-hisparse: invalid device_buffer_size=128:")
+    assert "holds 192 device rows" in message and "has 192 rows" in message
+    assert "use device_buffer_size <= 127" in message and "\n" not in message
+    Rig(gloo_world, device_rows=PAGE * 4, device_buffer_size=128)  # one page left: accepted
+
+
+def test_the_coordinator_never_rebuilds_a_config_without_the_servers(gloo_world):
+    """Built by SGLang (no ``config``), the coordinator reads the published server arguments; with
+    none published it refuses instead of guessing the keys SGLang does not pass."""
+    rig = Rig(gloo_world)
+    with pytest.raises(HiSparsePluginError, match="needs SGLang's published server arguments"):
+        HiSparseCoordinator(rig.req_to_token_pool, rig.allocator, 32, 128, "cpu", gloo_world, 2, 256)
+
+
+def test_idle_reports_come_after_fast_path_only_work(gloo_world):
+    """A request that never leaves the fast path counts no selections; the server still reports
+    once when it goes idle (and only once)."""
+    rig = Rig(gloo_world)
+    assert rig.coord.report_idle() is None  # nothing happened since start
+    req = Request(uid=1, prompt_len=20)
+    assert rig.prefill(req)
+    rig.stage(req)
+    assert rig.collect() == [req]
+    for _ in range(10):
+        assert rig.decode_step([req])
+        rig.resolve_and_check([req], 0, [[0, 5, req.seq_len - 1]])
+    rig.release(req)
+    assert rig.coord.counter_values() == (0, 0)
+    line = rig.coord.report_idle()
+    assert line is not None and "leak=no" in line and "selected=0" in line
+    assert rig.coord.report_idle() is None
+
+
+def test_a_leak_is_reported_as_such(gloo_world, caplog):
+    rig = Rig(gloo_world)
+    req = Request(uid=2, prompt_len=100)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    caplog.set_level("INFO")
+    line = rig.coord.report_idle()  # the request still holds its rows
+    assert "leak=yes" in line and any(r.levelname == "ERROR" for r in caplog.records)
+    rig.release(req)
+
+
+def test_the_host_pool_inherits_no_hisparse_helper_of_sglang():
+    """Every member of SGLang's HiSparse host-pool mixin is either ours (the PD protocol method)
+    or refused; none of the mixin's code is reachable through our pool."""
+    from sglang.srt.mem_cache.pool_host.hisparse import HiSparseHostPoolMixin
+
+    members = [n for n, m in vars(HiSparseHostPoolMixin).items() if callable(m) and not n.startswith("__")]
+    assert members and set(BLOCKED_MIXIN_MEMBERS) | {"alloc_paged_token_slots"} == set(members)
+    for name in members:
+        assert getattr(HiSparseHostPool, name) is not getattr(HiSparseHostPoolMixin, name), name
+    with pytest.raises(NotImplementedError, match="does not use"):
+        getattr(HiSparseHostPool, BLOCKED_MIXIN_MEMBERS[0])(object())
+
+
+def test_fences_of_one_lane_are_ordered():
+    lane = CopyLane(torch.device("cpu"))
+    seen = []
+    first = lane.submit(lambda: seen.append(1))
+    second = lane.submit(lambda: seen.append(2))
+    assert seen == [1, 2] and first.seq < second.seq and first.done() and second.done()
+
+
+CAPACITY = Capacity(device_rows=8192, hot_buffer_rows=192, page_size=64, logical_ids=16384, host_rows=16384,
+                    device_buffer_size=128)
+
+
+@pytest.mark.parametrize(
+    "prompt, max_new, ignore_eos, refused",
+    [
+        (7999, 4000, True, False),  # 8000 rows after rounding: fits the 8000 of room
+        (8001, 1, True, True),
+        (7000, 900, False, False),  # 7000 + 900 + 64 < 8000
+        (7000, 1000, False, True),  # 8064 >= 8000
+        (7000, 100000, False, True),  # the estimate is clipped, not ignored
+    ],
+)
+def test_the_refusal_rule_mirrors_sglangs_idle_admission(prompt, max_new, ignore_eos, refused):
+    assert CAPACITY.idle_room == 8000
+    problem = refusal(CAPACITY, prompt_len=prompt, max_new_tokens=max_new, ignore_eos=ignore_eos, clip_new_tokens=4096)
+    assert (problem is not None) == refused
+    if refused:
+        assert "never has more than 8000" in problem and "device pool 8192 rows - one hot buffer 192" in problem

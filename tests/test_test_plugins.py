@@ -1,0 +1,62 @@
+"""The test-only plugins: they do nothing unless asked, and when asked they do what tests rely on.
+
+* ``hisparse_test_fault``: the wrong-row fault lives outside the serving code and is off by default.
+* ``hisparse_upstream_trap``: every function of SGLang's own HiSparse raises once trapped, so a
+  server run with the trap on and no trap line proves none of it ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_hisparse.testing import fault
+
+
+class _Registry:
+    def __init__(self):
+        self.hooks = []
+
+    def register(self, target, hook, hook_type):
+        self.hooks.append((target, hook, hook_type))
+
+
+def test_the_fault_plugin_is_off_by_default_and_checks_its_value(monkeypatch):
+    registry = _Registry()
+    monkeypatch.delenv(fault.ENV, raising=False)
+    fault.register(registry)
+    assert registry.hooks == []
+    monkeypatch.setenv(fault.ENV, "wrong_rows")
+    with pytest.raises(ValueError, match="allowed values are wrong_row"):
+        fault.register(registry)
+    monkeypatch.setenv(fault.ENV, "wrong_row")
+    fault.register(registry)
+    assert [h[0] for h in registry.hooks] == [fault.TARGET]
+
+
+def test_the_upstream_trap_fires_and_our_classes_do_not_trip_it(run_fresh_python):
+    result = run_fresh_python(
+        """
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        import sglang.srt.managers.hisparse_coordinator as c
+        import sglang.srt.mem_cache.pool_host.hisparse as mixin
+        from sglang_hisparse.coordinator import HiSparseCoordinator
+        print(c.HiSparseCoordinator is HiSparseCoordinator)
+        try:
+            mixin.HiSparseHostPoolMixin.alloc_page(object(), 1)
+        except AssertionError as e:
+            print("trapped:", e)
+        """,
+        env={"SGLANG_HISPARSE_TRAP_UPSTREAM": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        "True",
+        "trapped: sglang-hisparse trap: SGLang's own HiSparse "
+        "sglang.srt.mem_cache.pool_host.hisparse.HiSparseHostPoolMixin.alloc_page was called",
+    ]
+    installed = [line for line in result.stderr.splitlines() if "trap: installed on" in line]
+    assert len(installed) == 1 and int(installed[0].split("installed on ")[1].split()[0]) >= 40
+    assert "trap: sglang.srt.mem_cache.pool_host.hisparse.HiSparseHostPoolMixin.alloc_page called" in result.stderr
