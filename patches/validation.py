@@ -4,8 +4,10 @@ Upstream target: ``sglang.srt.arg_groups.hisparse_hook.validate_hisparse`` (REPL
 Checked against: SGLang 0.5.17 (called from ``arg_groups/overrides.py:_hisparse_validation``
 with a resolved view of the server arguments, before any process or GPU work starts).
 
-Parses the typed config (so a bad key fails here, in the launcher, with one line), then checks
-the server settings HiSparse needs. Does nothing when HiSparse is disabled.
+Parses the typed config (so a bad key fails here, in the launcher, with one line), checks the
+server settings HiSparse needs, chooses the resolver for the GPU (refusing a GPU the kernel does
+not run on unless ``resolver=reference``) and, for the kernel, the largest hot buffer its shared
+memory holds. Does nothing when HiSparse is disabled.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 from typing import Any
 
 from sglang_hisparse.config import config_from_server_args
-from sglang_hisparse.server_checks import ServerSettings, check_server_settings
+from sglang_hisparse.resolver.dispatch import choose_resolver, platform_of
+from sglang_hisparse.server_checks import ServerSettings, check_kernel_buffer_size, check_server_settings
 
 TARGET = "sglang.srt.arg_groups.hisparse_hook.validate_hisparse"
 CHECKED_AGAINST = "0.5.17"
@@ -39,7 +42,17 @@ def read_settings(server_args: Any) -> ServerSettings:
         speculative_algorithm=server_args.speculative_algorithm,
         pp_size=int(server_args.pp_size),
         cpu_engine=str(server_args.device) == "cpu",
+        dcp_size=int(server_args.dcp_size),
+        attn_cp_size=int(server_args.attn_cp_size),
+        enable_prefill_cp=bool(server_args.enable_prefill_cp),
+        disaggregation_mode=str(server_args.disaggregation_mode),
     )
+
+
+def kv_device(server_args: Any) -> str:
+    """The device the scheduler of rank 0 will put the KV cache on."""
+    device = str(server_args.device)
+    return f"cuda:{server_args.base_gpu_id}" if device == "cuda" else device
 
 
 def validate_hisparse(server_args: Any) -> None:
@@ -48,7 +61,10 @@ def validate_hisparse(server_args: Any) -> None:
         return
     config = config_from_server_args(server_args)
     check_server_settings(read_settings(server_args))
-    logger.info("sglang-hisparse: HiSparse config %s", config.to_json_dict())
+    resolver = choose_resolver(config.resolver, platform_of(kv_device(server_args)))
+    if resolver == "cuda":
+        check_kernel_buffer_size(config)
+    logger.info("sglang-hisparse: HiSparse config %s, resolver %s", config.to_json_dict(), resolver)
 
 
 def register(registry: Any) -> None:

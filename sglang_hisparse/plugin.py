@@ -35,9 +35,15 @@ def version_problem(version: str) -> Optional[str]:
 
 def function_seams() -> list[ModuleType]:
     """Seams that hook functions or methods (no class replacement)."""
-    from sglang_hisparse.patches import config_parser, decode_memory_check, idle_report, validation
+    from sglang_hisparse.patches import (
+        config_parser,
+        decode_memory_check,
+        idle_report,
+        request_admission,
+        validation,
+    )
 
-    seams = [validation, config_parser, decode_memory_check, idle_report]
+    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_hisparse.config import HiSparseConfigError
+from sglang_hisparse.config import HiSparseConfig, HiSparseConfigError
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # Sparse-MLA backends whose page table our resolver output feeds, by KV dtype (CUDA).
@@ -36,6 +36,10 @@ class ServerSettings:
     pp_size: int
     cpu_engine: bool = False
     """SGLang's CPU engine: attention runs on our torch DSA path, whatever the DSA backend flags."""
+    dcp_size: int = 1
+    attn_cp_size: int = 1
+    enable_prefill_cp: bool = False
+    disaggregation_mode: str = "null"
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -81,4 +85,39 @@ def check_server_settings(s: ServerSettings) -> None:
     if s.pp_size != 1:
         raise HiSparseConfigError(
             f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)"
+        )
+    _check_parallel_layout(s)
+
+
+def _check_parallel_layout(s: ServerSettings) -> None:
+    """Layouts sglang-hisparse has not been run with are refused. Allowed: TP and DP attention
+    (each rank keeps its own hot buffers and host rows), colocated prefill and decode."""
+    for flag, value in (("--dcp-size", s.dcp_size), ("--attn-cp-size", s.attn_cp_size)):
+        if value != 1:
+            raise HiSparseConfigError(
+                f"--enable-hisparse: {flag}={value} is not supported by sglang-hisparse (must be 1: "
+                "context parallelism splits a request's KV across ranks, which the hot buffers do not)"
+            )
+    if s.enable_prefill_cp:
+        raise HiSparseConfigError(
+            "--enable-hisparse: --enable-prefill-cp is not supported by sglang-hisparse (must be off)"
+        )
+    if s.disaggregation_mode != "null":
+        raise HiSparseConfigError(
+            f"--enable-hisparse: --disaggregation-mode={s.disaggregation_mode} is not supported by "
+            "sglang-hisparse yet (must be null: prefill and decode in one server)"
+        )
+
+
+def check_kernel_buffer_size(config: HiSparseConfig) -> None:
+    """The fused kernel keeps a request's hot-buffer tables in one block's shared memory: refuse a
+    ``device_buffer_size`` above what fits for the model's top_k."""
+    from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size
+
+    limit = largest_buffer_size(config.top_k)
+    if config.device_buffer_size > limit:
+        raise HiSparseConfigError(
+            f"--hisparse-config: invalid device_buffer_size={config.device_buffer_size}: the fused "
+            f"kernel's shared memory ({MAX_SMEM_BYTES // 1024} KiB per block) holds at most {limit} "
+            f"slots for top_k={config.top_k}; allowed: [{config.top_k}, {limit}]"
         )

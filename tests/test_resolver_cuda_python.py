@@ -322,17 +322,46 @@ def test_empty_batch_launches_nothing(monkeypatch):
 # ---- dispatch ----
 
 
+H200 = dispatch.Platform("cuda", capability=(9, 0))
+
+
 def test_dispatch_rules():
-    assert dispatch.choose_resolver("reference", "cpu") == "reference"
-    assert dispatch.choose_resolver("auto", "cpu") == "reference"
+    cpu = dispatch.Platform("cpu")
+    assert dispatch.choose_resolver("reference", cpu) == "reference"
+    assert dispatch.choose_resolver("auto", cpu) == "reference"
     with pytest.raises(HiSparsePluginError, match="resolver=cuda"):
-        dispatch.choose_resolver("cuda", "cpu")
+        dispatch.choose_resolver("cuda", cpu)
     with pytest.raises(ValueError):
-        dispatch.choose_resolver("fast", "cpu")
-    if torch.version.cuda is not None and torch.version.hip is None:
-        assert dispatch.choose_resolver("auto", "cuda:0") == "cuda"
-        assert dispatch.choose_resolver("cuda", "cuda:0") == "cuda"
-        assert dispatch.choose_resolver("reference", "cuda:0") == "reference"
+        dispatch.choose_resolver("fast", cpu)
+    assert dispatch.choose_resolver("auto", H200) == "cuda"
+    assert dispatch.choose_resolver("cuda", H200) == "cuda"
+    assert dispatch.choose_resolver("reference", H200) == "reference"
+
+
+@pytest.mark.parametrize(
+    "platform, seen",
+    [
+        (dispatch.Platform("cuda", rocm=True), "a ROCm GPU"),
+        (dispatch.Platform("cuda", capability=(8, 0)), "compute capability 8.0"),
+        (dispatch.Platform("cuda", capability=(10, 0)), "compute capability 10.0"),
+        (dispatch.Platform("xpu"), "a xpu device"),
+    ],
+)
+def test_auto_refuses_a_gpu_the_kernel_does_not_run_on(platform, seen):
+    """No silent fallback: ``auto`` on such a GPU is refused in one line naming the key and the
+    allowed value; an explicit ``reference`` is accepted."""
+    with pytest.raises(HiSparsePluginError) as info:
+        dispatch.choose_resolver("auto", platform)
+    message = str(info.value)
+    assert message.startswith("--hisparse-config resolver=auto: ") and seen in message
+    assert "resolver=reference" in message and "\n" not in message
+    assert dispatch.choose_resolver("reference", platform) == "reference"
+
+
+def test_the_platform_is_read_from_the_device():
+    assert dispatch.platform_of("cpu") == dispatch.Platform("cpu")
+    if torch.cuda.is_available():
+        assert dispatch.platform_of("cuda:0").capability == torch.cuda.get_device_capability(0)
 
 
 def test_resolve_layer_reference_path_matches_reference(pool, bufs):

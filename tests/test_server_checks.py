@@ -53,3 +53,80 @@ def test_unsupported_settings_are_refused(change, fragment):
         check_server_settings(dataclasses.replace(GOOD, **change))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (dict(dcp_size=2), "--dcp-size=2 is not supported"),
+        (dict(attn_cp_size=2), "--attn-cp-size=2 is not supported"),
+        (dict(enable_prefill_cp=True), "--enable-prefill-cp is not supported"),
+        (dict(disaggregation_mode="decode"), "--disaggregation-mode=decode is not supported"),
+        (dict(disaggregation_mode="prefill"), "--disaggregation-mode=prefill is not supported"),
+    ],
+)
+def test_parallel_layouts_not_run_are_refused(change, fragment):
+    with pytest.raises(HiSparseConfigError) as info:
+        check_server_settings(dataclasses.replace(GOOD, **change))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_kernel_buffer_limit_follows_its_shared_memory_layout():
+    """The limit is the largest B whose planner layout fits the block's shared memory."""
+    from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size, planner_smem_bytes
+
+    for top_k in (64, 2048):
+        limit = largest_buffer_size(top_k)
+        assert planner_smem_bytes(limit, top_k) <= MAX_SMEM_BYTES < planner_smem_bytes(limit + 1, top_k)
+    assert largest_buffer_size(2048) == 16011
+
+
+def test_a_hot_buffer_beyond_the_kernel_limit_is_refused_with_the_allowed_range():
+    from sglang_hisparse.config import HiSparseConfig
+    from sglang_hisparse.server_checks import check_kernel_buffer_size
+
+    check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=16011))
+    with pytest.raises(HiSparseConfigError) as info:
+        check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=16012))
+    message = str(info.value)
+    assert message.startswith("--hisparse-config: invalid device_buffer_size=16012:")
+    assert "allowed: [2048, 16011]" in message and "\n" not in message
+
+
+def _launcher_view(config: str, **overrides):
+    """What SGLang's launcher hands validate_hisparse: resolved server arguments."""
+    from types import SimpleNamespace
+
+    hf_config = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
+    model = SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config)
+    values = dict(
+        enable_hisparse=True, hisparse_config=config, disable_radix_cache=True, kv_cache_dtype="bfloat16",
+        dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", enable_mixed_chunk=False,
+        speculative_algorithm=None, pp_size=1, device="cuda", base_gpu_id=0, dcp_size=1, attn_cp_size=1,
+        enable_prefill_cp=False, disaggregation_mode="null", get_model_config=lambda: model,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize(
+    "platform, config, fragment",
+    [
+        (("cuda", False, (9, 0)), '{"device_buffer_size": 20000}', "invalid device_buffer_size=20000"),
+        (("cuda", False, (8, 0)), "{}", "resolver=auto: the fused kernel runs on NVIDIA sm_90"),
+        (("cuda", True, None), '{"resolver": "cuda"}', "resolver=cuda: the fused kernel runs on NVIDIA sm_90"),
+    ],
+)
+def test_the_launcher_refuses_what_the_gpu_cannot_run(monkeypatch, platform, config, fragment):
+    """validate_hisparse (the launcher seam) checks the GPU and the kernel's limit before any
+    model loads; an explicit resolver=reference is accepted on any GPU."""
+    from sglang_hisparse.errors import HiSparsePluginError
+    from sglang_hisparse.patches import validation
+    from sglang_hisparse.resolver.dispatch import Platform
+
+    device_type, rocm, capability = platform
+    monkeypatch.setattr(validation, "platform_of", lambda device: Platform(device_type, rocm, capability))
+    with pytest.raises((HiSparseConfigError, HiSparsePluginError)) as info:
+        validation.validate_hisparse(_launcher_view(config))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    validation.validate_hisparse(_launcher_view('{"resolver": "reference", "device_buffer_size": 20000}'))

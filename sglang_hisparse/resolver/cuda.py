@@ -74,6 +74,21 @@ def planner_smem_bytes(device_buffer_size: int, top_k: int) -> int:
     return _align16(max(hash_end, phase2_end) + 4 * (3 * 32 + 8))
 
 
+def largest_buffer_size(top_k: int) -> int:
+    """The largest B whose planner fits :data:`MAX_SMEM_BYTES` for ``top_k`` (0 when none does;
+    the layout grows with B, so a binary search over ``[top_k, MAX_SLOTS]`` finds it)."""
+    if planner_smem_bytes(top_k, top_k) > MAX_SMEM_BYTES:
+        return 0
+    low, high = top_k, MAX_SLOTS
+    while low < high:
+        mid = (low + high + 1) // 2
+        if planner_smem_bytes(mid, top_k) <= MAX_SMEM_BYTES:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 def check_supported(item_bytes: int, device_buffer_size: int, top_k: int) -> None:
     """Raise ValueError unless the kernel can be built for this configuration."""
     if item_bytes <= 0 or item_bytes % 16 != 0:

@@ -1,11 +1,14 @@
 """Which resolver runs a layer, behind one call.
 
-Rules (config key ``resolver``):
+Rules (config key ``resolver``), applied to the :class:`Platform` the KV cache lives on:
 
-* ``reference``: the pure-torch reference, on any device.
-* ``cuda``: the fused kernel; refused (HiSparsePluginError) unless the device is a CUDA device of
-  a CUDA build of torch (not ROCm).
-* ``auto`` (default): the kernel on CUDA devices of a CUDA build, the reference elsewhere.
+* ``reference``: the pure-torch reference, on any platform.
+* ``cuda``: the fused kernel; refused unless the platform can run it (:func:`kernel_problem`).
+* ``auto`` (default): the kernel where it can run; the reference on SGLang's CPU engine (the
+  CPU platform has no kernel by design); any other platform (ROCm, a GPU the kernel is not
+  built for, XPU, ...) is refused: no silent fallback to a resolver hundreds of times slower.
+
+The fused kernel is built (JIT) for sm_90a and validated on H100/H200 only.
 
 :func:`resolve_layer` then forwards the reference's keywords to the chosen implementation; the
 kernel-only keywords (``workspace``, ``block_size``) are dropped for the reference.
@@ -14,6 +17,7 @@ kernel-only keywords (``workspace``, ``block_size``) are dropped for the referen
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -22,28 +26,61 @@ from sglang_hisparse.errors import HiSparsePluginError
 
 Impl = Literal["cuda", "reference"]
 
+KERNEL_CAPABILITIES = ((9, 0),)
+"""Compute capabilities the fused kernel is built (sm_90a) and validated for."""
 
-def kernel_supported(device: Union[torch.device, str]) -> bool:
-    """True when the fused kernel can run on ``device`` (CUDA device, CUDA build of torch)."""
+
+@dataclass(frozen=True)
+class Platform:
+    """Where the KV cache lives, as far as the resolver choice cares."""
+
+    device_type: str
+    """``torch.device(...).type``: cuda (also ROCm builds), cpu, xpu, ..."""
+    rocm: bool = False
+    capability: Optional[tuple[int, int]] = None
+    """Compute capability of the CUDA device (None off CUDA)."""
+
+    def describe(self) -> str:
+        if self.device_type != "cuda":
+            return f"a {self.device_type} device"
+        if self.rocm:
+            return "a ROCm GPU"
+        return f"a GPU of compute capability {self.capability[0]}.{self.capability[1]}"
+
+
+def platform_of(device: Union[torch.device, str]) -> Platform:
+    """Read the platform of ``device`` (queries the GPU's compute capability on CUDA)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.version.cuda is not None and torch.version.hip is None
+    if device.type != "cuda":
+        return Platform(device.type)
+    if torch.version.hip is not None:
+        return Platform("cuda", rocm=True)
+    return Platform("cuda", capability=tuple(torch.cuda.get_device_capability(device)))
 
 
-def choose_resolver(setting: str, device: Union[torch.device, str]) -> Impl:
-    """Apply the rules above to the config's ``resolver`` setting and the KV device."""
+def kernel_problem(platform: Platform) -> Optional[str]:
+    """Why the fused kernel cannot run on ``platform``, or None when it can."""
+    if platform.device_type != "cuda" or platform.rocm or platform.capability not in KERNEL_CAPABILITIES:
+        return f"the fused kernel runs on NVIDIA sm_90 GPUs (H100/H200) only; the KV cache is on {platform.describe()}"
+    return None
+
+
+def choose_resolver(setting: str, platform: Platform) -> Impl:
+    """Apply the rules above. Raises HiSparsePluginError (one line naming the key and the
+    allowed values) for a combination that cannot run."""
     if setting == "reference":
         return "reference"
-    if setting == "cuda":
-        if not kernel_supported(device):
-            raise HiSparsePluginError(
-                f"--hisparse-config resolver=cuda needs a CUDA device with a CUDA build of torch; "
-                f"the KV cache is on {torch.device(device)} (torch CUDA {torch.version.cuda}); "
-                "use resolver=auto or resolver=reference"
-            )
-        return "cuda"
-    if setting == "auto":
-        return "cuda" if kernel_supported(device) else "reference"
-    raise ValueError(f"unknown resolver setting {setting!r}; expected auto, reference or cuda")
+    if setting not in ("auto", "cuda"):
+        raise ValueError(f"unknown resolver setting {setting!r}; expected auto, reference or cuda")
+    if setting == "auto" and platform.device_type == "cpu":
+        return "reference"
+    problem = kernel_problem(platform)
+    if problem is not None:
+        raise HiSparsePluginError(
+            f"--hisparse-config resolver={setting}: {problem}; allowed here: resolver=reference "
+            "(pure torch, exact but slow)"
+        )
+    return "cuda"
 
 
 def resolve_layer(
@@ -95,7 +132,7 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     For the kernel, allocates its workspace once (fixed addresses for CUDA graphs) and passes the
     configured block size on every call; ``warmup`` JIT-builds the variant the server needs.
     """
-    impl = choose_resolver(config.resolver, device)
+    impl = choose_resolver(config.resolver, platform_of(device))
     workspace = None
     warmup = lambda *_: None  # noqa: E731 - the reference needs no build
     if impl == "cuda":
