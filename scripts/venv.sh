@@ -1,7 +1,9 @@
 # Sourced by scripts/test.sh and scripts/demo.sh: create or reuse the project's virtualenv and
 # install the project into it. The venv lives outside the clone, keyed by a hash of the Python
 # version and the dependency pins in pyproject.toml, so repeated runs on one machine reuse it and
-# a fresh machine builds it from nothing. Sets VENV and VPY.
+# a fresh machine builds it from nothing. The project is installed editable (code changes need no
+# reinstall); it is reinstalled only when pyproject.toml changes (entry points, packages). pip's
+# output goes to $VENV/install.log and is shown only when an install fails. Sets VENV and VPY.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BASE_PYTHON=${SGLANG_HISPARSE_PYTHON:-python3}
@@ -14,16 +16,25 @@ PY
 )
 VENV=${SGLANG_HISPARSE_VENV:-$HOME/.cache/sglang-hisparse/venv-$PIN_HASH}
 VPY="$VENV/bin/python"
-pip_quiet() { "$VPY" -m pip "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+PROJECT_HASH=$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)
+pip_logged() {
+  if ! "$VPY" -m pip "$@" >>"$VENV/install.log" 2>&1; then
+    echo "[venv] pip $* failed; its output:"; tail -n 60 "$VENV/install.log"; exit 1
+  fi
+}
 if [ ! -f "$VENV/.complete" ]; then
   echo "[venv] creating $VENV (SGLang 0.5.17 and torch: a few minutes the first time)"
   rm -rf "$VENV"
   "$BASE_PYTHON" -m venv "$VENV"
-  pip_quiet install -q --upgrade pip
-  pip_quiet install -q -e "$ROOT[test]"
+  pip_logged install -q --upgrade pip
+  pip_logged install -q -e "$ROOT[test]"
   "$VPY" -c "import sglang, torch, sglang_hisparse" || { echo "[venv] install failed"; exit 1; }
+  echo "$ROOT $PROJECT_HASH" > "$VENV/.project"
   touch "$VENV/.complete"
+elif [ "$(cat "$VENV/.project" 2>/dev/null)" != "$ROOT $PROJECT_HASH" ]; then
+  echo "[venv] reusing $VENV; installing this checkout (pyproject.toml changed or another clone)"
+  pip_logged install -q --no-deps -e "$ROOT"
+  echo "$ROOT $PROJECT_HASH" > "$VENV/.project"
 else
   echo "[venv] reusing $VENV"
-  pip_quiet install -q --no-deps -e "$ROOT"
 fi

@@ -23,6 +23,16 @@ from sglang_hisparse.testing.server import has_cuda, start_server, wait_for_idle
 STEP_LINE = re.compile(r"sglang-hisparse step \d+: .*")
 
 
+PAGE_SIZE = 64
+"""The DSA models' KV page size; SGLang requires the chunked-prefill size to be a multiple of it."""
+
+
+def one_prefill_chunk(contexts: list[int]) -> int:
+    """A chunked-prefill size that holds every prompt in one prefill batch (so both servers run
+    identical batches), a multiple of the page size, at least 16384."""
+    return max(16384, -(-sum(contexts) // PAGE_SIZE) * PAGE_SIZE)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default=None,
@@ -38,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     buffer_size = args.device_buffer_size or (128 if cpu else 4096)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="hisparse-demo-"))
     common = ["--mem-fraction-static", "0.5" if cpu else "0.4", "--disable-overlap-schedule", "--chunked-prefill-size",
-              str(max(16384, sum(contexts))), "--max-running-requests", str(len(contexts))]
+              str(one_prefill_chunk(contexts)), "--max-running-requests", str(len(contexts))]
     env = {}
     if not cpu:  # the deterministic GPU configuration of docs/e2e_gpu.md
         common += ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
