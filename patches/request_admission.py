@@ -26,7 +26,7 @@ def refuse_unadmittable(_result: Any, scheduler: Any, req: Any, *args: Any, **kw
     coordinator = getattr(scheduler, "hisparse_coordinator", None)
     if not isinstance(coordinator, HiSparseCoordinator) or getattr(req, "to_finish", None) is not None:
         return None
-    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS, IGNORE_EOS_RESERVE_TOKENS
 
     params = req.sampling_params
     problem = refusal(
@@ -35,6 +35,7 @@ def refuse_unadmittable(_result: Any, scheduler: Any, req: Any, *args: Any, **kw
         max_new_tokens=params.max_new_tokens,
         ignore_eos=bool(params.ignore_eos),
         clip_new_tokens=CLIP_MAX_NEW_TOKENS,
+        ignore_eos_reserve=IGNORE_EOS_RESERVE_TOKENS,
     )
     if problem is not None:
         req.set_finish_with_abort(problem)

@@ -65,26 +65,34 @@ def check_startup(capacity: Capacity) -> None:
 
 
 def refusal(
-    capacity: Capacity, *, prompt_len: int, max_new_tokens: int, ignore_eos: bool, clip_new_tokens: int
+    capacity: Capacity,
+    *,
+    prompt_len: int,
+    max_new_tokens: int,
+    ignore_eos: bool,
+    clip_new_tokens: int,
+    ignore_eos_reserve: int,
 ) -> Optional[str]:
     """The error for a request SGLang could never admit on this server, or None.
 
     Mirrors SGLang 0.5.17's PrefillAdder on an idle server (radix cache off, which HiSparse
-    requires): with ``ignore_eos`` the page-rounded prompt must fit the room; otherwise
-    ``prompt + min(max_new_tokens, clip) + page`` must be strictly below it.
+    requires), ``room`` being the idle admission room:
+
+    * ``ignore_eos``: the page-rounded prompt plus every new token plus the reserve must stay
+      strictly below the room (``add_one_req_ignore_eos`` and its future-token check);
+    * otherwise: ``prompt + min(max_new_tokens, clip) + page`` must be strictly below the room.
     """
     page = capacity.page_size
     room = capacity.idle_room
     if ignore_eos:
-        need = -(-prompt_len // page) * page
-        admissible = need <= room
-        budget = f"prompt {prompt_len} rounded to pages"
+        paged = -(-prompt_len // page) * page
+        need = paged + max_new_tokens + ignore_eos_reserve
+        budget = f"prompt {prompt_len} rounded to pages + {max_new_tokens} new tokens + reserve {ignore_eos_reserve}"
     else:
         estimate = min(max_new_tokens, clip_new_tokens)
         need = prompt_len + estimate + page
-        admissible = need < room
         budget = f"prompt {prompt_len} + new-token estimate {estimate} + one page {page}"
-    if admissible:
+    if need < room:
         return None
     return (
         f"sglang-hisparse: this request needs {need} tokens of admission room ({budget}) but this "
