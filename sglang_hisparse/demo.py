@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--dsa-decode-backend", "flashmla_sparse", "--dsa-topk-backend", "torch",
                    "--context-length", "65536", "--grammar-backend", "none"]
         env = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
-    config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1}}'
+    # wait_for_staging: requests join decode in the step they would without HiSparse (same batches)
+    config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1, "wait_for_staging": true}}'
     model = "tiny-dsa-cpu" if cpu else "tiny-dsa"
     print(f"[demo] {'CPU (SGLang CPU engine, torch DSA path)' if cpu else 'GPU'}; model {model}; logs in {log_dir}")
     print(f"[demo] --hisparse-config {config}")

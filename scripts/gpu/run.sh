@@ -5,10 +5,11 @@
 #   .site/site.tar.xz          SGLang 0.5.17 and what the image lacks (scripts/gpu/build_site.sh)
 #   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
 #   .jit/*.tar.xz              optional: JIT caches brought back by an earlier call (carry .jit)
-# Usage: bash scripts/gpu/run.sh <job> [args...]
+# Usage: bash scripts/gpu/run.sh <job> [args...] [+ <job> [args...] ...]   (jobs run in order)
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
+#   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
 # Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
 # (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
 # files, the device tool's limit (scripts/gpu/pack_outputs.py).
@@ -34,16 +35,32 @@ export SGLANG_HISPARSE_DUMMY_INIT=normal OUT
 rm -rf /tmp/e2e_logs  # a warm machine keeps the last call's server logs; bring back only this call's
 log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1); python $(python3 -V 2>&1)"
 python3 -c "import torch, sglang, sglang_hisparse; print('versions', torch.__version__, sglang.__version__, sglang_hisparse.__file__)" 2>&1 | tail -1 | tee -a "$OUT/run.log"
-job=$1; shift
-case "$job" in
-  kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
-  e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
-  bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
-           | tee -a "$OUT/run.log" ;;
-  *) log "unknown job $job"; exit 2 ;;
-esac
-rc=${PIPESTATUS[0]}
+run_job() {
+  local job=$1; shift
+  log "job $job $*"
+  case "$job" in
+    kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
+             | tee -a "$OUT/run.log" ;;
+    demo) python3 -m sglang_hisparse.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    *) log "unknown job $job"; return 2 ;;
+  esac
+  local job_rc=${PIPESTATUS[0]}
+  log "job $job exit $job_rc"
+  return "$job_rc"
+}
+rc=0
+args=()
+for word in "$@" +; do
+  if [ "$word" = "+" ]; then
+    [ ${#args[@]} -gt 0 ] && { run_job "${args[@]}" || rc=$?; }
+    args=()
+  else
+    args+=("$word")
+  fi
+done
 # at most 8 files come back: logs into logs.tar.xz, JIT caches into jit.tar.xz
 python3 scripts/gpu/pack_outputs.py "$OUT" --jit-dir /tmp/jit --e2e-logs /tmp/e2e_logs || true
-log "job $job exit $rc"
+log "all jobs done, exit $rc"
 exit $rc
