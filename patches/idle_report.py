@@ -20,7 +20,7 @@ CHECKED_AGAINST = "0.5.17"
 def report_when_idle(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
     coordinator = getattr(scheduler, "hisparse_coordinator", None)
     if isinstance(coordinator, HiSparseCoordinator) and scheduler.is_fully_idle():
-        coordinator.report_idle()
+        coordinator.stats.idle_report()
     return None
 
 

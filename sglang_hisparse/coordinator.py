@@ -19,6 +19,7 @@ objects of our classes, passed in. This class holds only the per-step resolver b
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, List, NamedTuple, Optional
 
@@ -30,7 +31,7 @@ from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
 from sglang_hisparse.hot_buffers import HotBuffers
 from sglang_hisparse.resolver.dispatch import make_resolver
-from sglang_hisparse.stats import ResolveStats
+from sglang_hisparse.stats import ResolveStats, pool_free_counts
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,22 @@ class HiSparseCoordinator:
         ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
         self.mirror = HostMirror(self.device_pool, ratio, max_reqs=max_reqs, max_context=req_to_token_pool.max_context_len,
                                  device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
+        # protocol attributes SGLang reads: the components' objects (updated in place, never rebound)
+        self.mem_pool_host, self.padded_buffer_size = self.mirror.pool, self.hot.padded
+        self.req_to_host_pool, self.req_to_host_pool_allocated_len = self.mirror.row_table, self.mirror.rows_allocated
         self.allocator.configure(self.hot.padded, self.mirror.pool.capacity_tokens)
-        self.capacity = self._capacity()
+        self.capacity = Capacity(
+            device_rows=self.allocator.device_size, hot_buffer_rows=self.hot.padded, page_size=self.allocator.page_size,
+            logical_ids=self.allocator.logical_size, host_rows=self.mirror.pool.capacity_tokens,
+            device_buffer_size=device_buffer_size,
+        )
         check_startup(self.capacity)
         self._producer_stream = None
         self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
-        self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval,
-                                  row_bytes=self.device_pool.row_bytes, free_counts=self.free_counts)
+        self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval, row_bytes=self.device_pool.row_bytes,
+                                  free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool))
         self._resolve = make_resolver(self.config, device, max_reqs, top_k)
         self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         self._waiting_since: Optional[str] = None
@@ -92,23 +100,6 @@ class HiSparseCoordinator:
             device_buffer_size, self.hot.padded, top_k, self.device_pool.layer_num, self._resolve.name,
             self.capacity.idle_room, self.capacity.describe(),
         )
-
-    # --- protocol attributes owned by components ---------------------------------------------
-    @property
-    def mem_pool_host(self):
-        return self.mirror.pool
-
-    @property
-    def req_to_host_pool(self) -> torch.Tensor:
-        return self.mirror.row_table
-
-    @property
-    def req_to_host_pool_allocated_len(self) -> torch.Tensor:
-        return self.mirror.rows_allocated
-
-    @property
-    def padded_buffer_size(self) -> int:
-        return self.hot.padded
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
@@ -233,7 +224,7 @@ class HiSparseCoordinator:
         self.mirror.forget(req.req_pool_idx)
         self.stats.note_activity()
 
-    # --- helpers and observability -----------------------------------------------------------
+    # --- helpers -----------------------------------------------------------------------------
     def _logical_ids(self, req, n: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
 
@@ -250,28 +241,6 @@ class HiSparseCoordinator:
             logger.info("sglang-hisparse: request %s waits in staging for device rows (%s)",
                         req.rid, self.allocator.debug_print())
             self._waiting_since = req.rid
-
-    def _capacity(self) -> Capacity:
-        a = self.allocator
-        return Capacity(device_rows=a.device_size, hot_buffer_rows=self.hot.padded, page_size=a.page_size,
-                        logical_ids=a.logical_size, host_rows=self.mirror.pool.capacity_tokens,
-                        device_buffer_size=self.hot.buffer_size)
-
-    def report_idle(self) -> Optional[str]:
-        """The idle line (see :class:`ResolveStats`), or None when nothing happened since the last."""
-        return self.stats.idle_report()
-
-    def counter_values(self) -> tuple[int, int]:
-        return self.stats.totals()
-
-    def free_counts(self) -> dict[str, int]:
-        """Free rows of every pool (equal to their initial values when no request is live)."""
-        return {
-            "logical_free": self.allocator.logical.available_tokens(),
-            "device_free": self.allocator.physical.available_tokens(),
-            "device_reserved": self.allocator.device_reserved,
-            "host_free": self.mirror.pool.available_size(),
-        }
 
 
 def published_config(passed: tuple[int, int, int, int]) -> HiSparseConfig:

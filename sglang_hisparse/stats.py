@@ -23,13 +23,23 @@ logger = logging.getLogger(__name__)
 FreeCounts = dict[str, int]
 
 
+def pool_free_counts(allocator, host_pool) -> FreeCounts:
+    """Free rows of every pool (equal to their initial values when no request is live)."""
+    return {
+        "logical_free": allocator.logical.available_tokens(),
+        "device_free": allocator.physical.available_tokens(),
+        "device_reserved": allocator.device_reserved,
+        "host_free": host_pool.available_size(),
+    }
+
+
 class ResolveStats:
     def __init__(self, device: torch.device, *, log_interval: int, row_bytes: int, free_counts: Callable[[], FreeCounts]):
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         """int64 [2] on the KV device: (selected, misses), incremented in place by the resolver."""
         self._log_interval = log_interval
         self._row_bytes = row_bytes
-        self._free_counts = free_counts
+        self.free_counts = free_counts
         self.initial: FreeCounts = free_counts()
         self._decode_steps = 0
         self._logged = (0, 0)
@@ -67,7 +77,7 @@ class ResolveStats:
         if not self._busy:
             return None
         self._busy = False
-        counts = self._free_counts()
+        counts = self.free_counts()
         selected, misses = self.totals()
         leak = counts != self.initial
         pools = " ".join(f"{name}={value}/{self.initial[name]}" for name, value in counts.items())

@@ -91,7 +91,7 @@ class Rig:
         self.initial_counts = self.counts()
 
     def counts(self) -> dict:
-        c = self.coord.free_counts()
+        c = self.coord.stats.free_counts()
         c["req_slots"] = self.req_to_token_pool.available_size()
         return c
 

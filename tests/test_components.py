@@ -39,7 +39,7 @@ def test_idle_reports_come_after_fast_path_only_work(gloo_world):
     """A request that never leaves the fast path counts no selections; the server still reports
     once when it goes idle (and only once)."""
     rig = Rig(gloo_world)
-    assert rig.coord.report_idle() is None  # nothing happened since start
+    assert rig.coord.stats.idle_report() is None  # nothing happened since start
     req = Request(uid=1, prompt_len=20)
     assert rig.prefill(req)
     rig.stage(req)
@@ -48,10 +48,10 @@ def test_idle_reports_come_after_fast_path_only_work(gloo_world):
         assert rig.decode_step([req])
         rig.resolve_and_check([req], 0, [[0, 5, req.seq_len - 1]])
     rig.release(req)
-    assert rig.coord.counter_values() == (0, 0)
-    line = rig.coord.report_idle()
+    assert rig.coord.stats.totals() == (0, 0)
+    line = rig.coord.stats.idle_report()
     assert line is not None and "leak=no" in line and "selected=0" in line
-    assert rig.coord.report_idle() is None
+    assert rig.coord.stats.idle_report() is None
 
 
 def test_a_leak_is_reported_as_such(gloo_world, caplog):
@@ -61,7 +61,7 @@ def test_a_leak_is_reported_as_such(gloo_world, caplog):
     rig.stage(req)
     rig.collect()
     caplog.set_level("INFO")
-    line = rig.coord.report_idle()  # the request still holds its rows
+    line = rig.coord.stats.idle_report()  # the request still holds its rows
     assert "leak=yes" in line and any(r.levelname == "ERROR" for r in caplog.records)
     rig.release(req)
 
