@@ -33,6 +33,19 @@ def one_prefill_chunk(contexts: list[int]) -> int:
     return max(16384, -(-sum(contexts) // PAGE_SIZE) * PAGE_SIZE)
 
 
+def server_flags(contexts: list[int], *, cpu: bool) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment both servers share: one prefill batch for every prompt, no overlap
+    schedule; on GPU the deterministic configuration of docs/e2e_gpu.md."""
+    flags = ["--mem-fraction-static", "0.5" if cpu else "0.4", "--disable-overlap-schedule", "--chunked-prefill-size",
+             str(one_prefill_chunk(contexts)), "--max-running-requests", str(len(contexts))]
+    if cpu:
+        return flags, {}
+    flags += ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
+              "--dsa-decode-backend", "flashmla_sparse", "--dsa-topk-backend", "torch",
+              "--context-length", "65536", "--grammar-backend", "none"]
+    return flags, {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default=None,
@@ -47,14 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(c) for c in (args.contexts or ("1500,2500,3000,3500" if cpu else "8000,16000,24000,30000")).split(",")]
     buffer_size = args.device_buffer_size or (128 if cpu else 4096)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="hisparse-demo-"))
-    common = ["--mem-fraction-static", "0.5" if cpu else "0.4", "--disable-overlap-schedule", "--chunked-prefill-size",
-              str(one_prefill_chunk(contexts)), "--max-running-requests", str(len(contexts))]
-    env = {}
-    if not cpu:  # the deterministic GPU configuration of docs/e2e_gpu.md
-        common += ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
-                   "--dsa-decode-backend", "flashmla_sparse", "--dsa-topk-backend", "torch",
-                   "--context-length", "65536", "--grammar-backend", "none"]
-        env = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+    common, env = server_flags(contexts, cpu=cpu)
     # wait_for_staging: requests join decode in the step they would without HiSparse (same batches)
     config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1, "wait_for_staging": true}}'
     model = "tiny-dsa-cpu" if cpu else "tiny-dsa"
