@@ -266,3 +266,28 @@ def test_launch_server_help_still_works():
     result = _launch(["--help"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "--enable-hisparse" in result.stdout and "--hisparse-config" in result.stdout
+
+
+@pytest.mark.slow
+def test_launcher_refuses_what_hisparse_cannot_serve_before_any_model_loads():
+    """With a DSA model on SGLang's CPU engine: resolver=cuda (the kernel cannot run here) and a
+    PD decode instance are each refused by the launcher in one line, before a scheduler starts."""
+    import subprocess
+
+    from sglang_hisparse.testing.server import MODELS_DIR, server_env
+
+    common = ["--model-path", str(MODELS_DIR / "tiny-dsa-cpu"), "--skip-tokenizer-init", "--disable-radix-cache",
+              "--device", "cpu", "--load-format", "dummy", "--enable-hisparse"]
+    cases = [
+        (["--hisparse-config", '{"resolver": "cuda"}'],
+         "--hisparse-config resolver=cuda: the fused kernel runs on NVIDIA sm_90 GPUs (H100/H200) only; "
+         "the KV cache is on a cpu device"),
+        (["--hisparse-config", "{}", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"],
+         "--enable-hisparse: --disaggregation-mode=decode is not supported by sglang-hisparse yet"),
+    ]
+    for extra, message in cases:
+        result = subprocess.run([sys.executable, "-m", "sglang.launch_server", *common, *extra], capture_output=True,
+                                text=True, timeout=240, env=server_env(cpu=True))
+        assert result.returncode != 0
+        assert message in result.stderr, result.stderr[-2000:]
+        assert "Load weight" not in result.stderr and "scheduler" not in result.stderr.split(message)[0].lower()
