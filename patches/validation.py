@@ -46,6 +46,7 @@ def read_settings(server_args: Any) -> ServerSettings:
         attn_cp_size=int(server_args.attn_cp_size),
         enable_prefill_cp=bool(server_args.enable_prefill_cp),
         disaggregation_mode=str(server_args.disaggregation_mode),
+        enable_unified_memory=bool(server_args.enable_unified_memory),
     )
 
 

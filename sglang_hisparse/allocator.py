@@ -25,7 +25,8 @@ device rows, so ``decode_available_size`` omits the device term.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
@@ -33,6 +34,14 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 from sglang_hisparse.paging import PageAllocator
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A read-only ``available_size()``: what SGLang's PD decode path reads off the two
+    sub-allocators of a HiSparse allocator (``logical_attn_allocator``, ``hisparse_attn_allocator``)."""
+
+    available_size: Callable[[], int]
 
 
 class HiSparseAllocator(BaseTokenToKVPoolAllocator):
@@ -79,9 +88,15 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         return self.logical_size
 
     @property
-    def hisparse_attn_allocator(self) -> PageAllocator:
-        """The device-row allocator (SGLang's PD decode path reads ``available_size()`` of it)."""
-        return self.physical
+    def logical_attn_allocator(self) -> Budget:
+        """PD decode admission (tokens): logical ids net of the host rows they will need."""
+        return Budget(self.decode_available_size)
+
+    @property
+    def hisparse_attn_allocator(self) -> Budget:
+        """PD decode admission (hot buffers): device rows net of the growth reservations; SGLang
+        divides it by ``padded_buffer_size``, one full hot buffer per request it admits."""
+        return Budget(lambda: self.physical.available_tokens() - self.device_reserved)
 
     def debug_print(self) -> str:
         return (

@@ -217,6 +217,22 @@ class HiSparseCoordinator:
     def retract_req(self, req) -> None:
         self.request_finished(req)
 
+    def offload_request(self, req) -> torch.Tensor:
+        """PD decode retraction: the KV of the request's committed positions ``0..seqlen-2``
+        (the last one written through first) copied to ordinary memory; then everything the
+        request holds here is freed. :meth:`restore_request` brings it back on resume."""
+        n = req.seqlen - 1
+        self.mirror.write_through([req.req_pool_idx], [n + 1], self.hot.rows_of_positions)
+        snapshot = self.mirror.snapshot(req.req_pool_idx, n)
+        self.request_finished(req)
+        return snapshot
+
+    def restore_request(self, req, snapshot: torch.Tensor) -> None:
+        """PD decode resume: SGLang gave the request new logical ids and host rows for the
+        snapshot's positions; fill the rows and admit it as a transferred request."""
+        self.mirror.restore(req.req_pool_idx, snapshot)
+        self.admit_request_direct(req)
+
     def _leave_staging(self, req) -> None:
         """A staged request leaves: wait for its copy, free its prefill rows and host rows."""
         self.mirror.drop_staged(req)

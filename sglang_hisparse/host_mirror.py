@@ -154,6 +154,19 @@ class HostMirror:
             self._unordered_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
             self._unordered_write = None
 
+    # --- retraction (PD decode): KV out of the host pool and back ------------------------------
+    def snapshot(self, req_pool_idx: int, n_tokens: int) -> torch.Tensor:
+        """A copy of positions ``0..n-1`` (every layer) in ordinary CPU memory, taken after every
+        submitted write-through finished. Shape ``[layers, n, 1, row]``; the rows stay allocated."""
+        self._write_lane.drain()
+        rows = self.row_table[req_pool_idx, :n_tokens].cpu()
+        return self.pool.kv_buffer[:, rows].clone()
+
+    def restore(self, req_pool_idx: int, snapshot: torch.Tensor) -> None:
+        """Write a :meth:`snapshot` into the request's (new) host rows of the same positions."""
+        rows = self.row_table[req_pool_idx, : snapshot.shape[1]].cpu()
+        self.pool.kv_buffer[:, rows] = snapshot
+
     # --- leaving -----------------------------------------------------------------------------
     def forget(self, req_pool_idx: int) -> None:
         """Free a request's host rows and clear its table row (idempotent)."""

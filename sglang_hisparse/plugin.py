@@ -39,11 +39,12 @@ def function_seams() -> list[ModuleType]:
         config_parser,
         decode_memory_check,
         idle_report,
+        pd_retraction,
         request_admission,
         validation,
     )
 
-    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission]
+    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,

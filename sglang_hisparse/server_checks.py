@@ -40,6 +40,7 @@ class ServerSettings:
     attn_cp_size: int = 1
     enable_prefill_cp: bool = False
     disaggregation_mode: str = "null"
+    enable_unified_memory: bool = False
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -98,14 +99,19 @@ def _check_parallel_layout(s: ServerSettings) -> None:
                 f"--enable-hisparse: {flag}={value} is not supported by sglang-hisparse (must be 1: "
                 "context parallelism splits a request's KV across ranks, which the hot buffers do not)"
             )
+    if s.enable_unified_memory:
+        raise HiSparseConfigError(
+            "--enable-hisparse: --enable-unified-memory is not supported by sglang-hisparse (must be off: "
+            "it replaces the KV allocator HiSparse builds)"
+        )
     if s.enable_prefill_cp:
         raise HiSparseConfigError(
             "--enable-hisparse: --enable-prefill-cp is not supported by sglang-hisparse (must be off)"
         )
-    if s.disaggregation_mode != "null":
+    if s.disaggregation_mode == "prefill":
         raise HiSparseConfigError(
-            f"--enable-hisparse: --disaggregation-mode={s.disaggregation_mode} is not supported by "
-            "sglang-hisparse yet (must be null: prefill and decode in one server)"
+            "--enable-hisparse: --disaggregation-mode=prefill is not supported (HiSparse runs on the "
+            "decode instance, which receives the prefill's KV in its host rows; allowed: null, decode)"
         )
 
 

@@ -51,6 +51,11 @@ class Request:
     def __post_init__(self):
         self.rid = f"req-{self.uid}"
 
+    @property
+    def seqlen(self) -> int:
+        """SGLang's ``Req.seqlen``: the positions with KV plus the sampled token not yet written."""
+        return self.seq_len + 1
+
 
 class Rig:
     def __init__(
@@ -123,7 +128,22 @@ class Rig:
 
     def admit_direct(self, req: Request) -> bool:
         """PD decode: logical ids only, KV written straight into host rows, then direct admission."""
-        n = req.prompt_len
+        if not self.pd_prealloc(req, req.prompt_len):
+            return False
+        host = self.coord.mem_pool_host
+        rows = self.coord.req_to_host_pool[req.req_pool_idx, : req.prompt_len]
+        for layer in range(self.layers):
+            host.kv_buffer[layer][rows] = torch.stack(
+                [true_row(req.uid, layer, p) for p in range(req.prompt_len)]
+            ).view(req.prompt_len, 1, DIM)
+        req.seq_len = req.prompt_len
+        self.coord.admit_request_direct(req)
+        req.state = "decoding"
+        return True
+
+    def pd_prealloc(self, req: Request, n: int) -> bool:
+        """What SGLang's PD decode path does before a transfer (or a resume): a request slot,
+        logical ids for positions 0..n-1 and host rows for them."""
         if not self.can_admit(n):
             return False
         req.req_pool_idx = self.req_to_token_pool.free_slots.pop(0)
@@ -131,17 +151,11 @@ class Rig:
             torch.tensor([0]), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n
         )
         self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), logical.to(torch.int32))
-        host = self.coord.mem_pool_host
-        host_rows = host.alloc_paged_token_slots(
+        self.coord.mem_pool_host.alloc_paged_token_slots(
             self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, req.req_pool_idx, 0, n
         )
-        for layer in range(self.layers):
-            host.kv_buffer[layer][host_rows] = torch.stack([true_row(req.uid, layer, p) for p in range(n)]).view(n, 1, DIM)
         req.kv = SimpleNamespace(kv_allocated_len=n)
         req.extend_range = SimpleNamespace(start=0, end=n)
-        req.seq_len = n
-        self.coord.admit_request_direct(req)
-        req.state = "decoding"
         return True
 
     def stage(self, req: Request) -> None:

@@ -271,7 +271,7 @@ def test_launch_server_help_still_works():
 @pytest.mark.slow
 def test_launcher_refuses_what_hisparse_cannot_serve_before_any_model_loads():
     """With a DSA model on SGLang's CPU engine: resolver=cuda (the kernel cannot run here) and a
-    PD decode instance are each refused by the launcher in one line, before a scheduler starts."""
+    PD prefill instance are each refused by the launcher in one line, before a scheduler starts."""
     import subprocess
 
     from sglang_hisparse.testing.server import MODELS_DIR, server_env
@@ -282,8 +282,8 @@ def test_launcher_refuses_what_hisparse_cannot_serve_before_any_model_loads():
         (["--hisparse-config", '{"resolver": "cuda"}'],
          "--hisparse-config resolver=cuda: the fused kernel runs on NVIDIA sm_90 GPUs (H100/H200) only; "
          "the KV cache is on a cpu device"),
-        (["--hisparse-config", "{}", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"],
-         "--enable-hisparse: --disaggregation-mode=decode is not supported by sglang-hisparse yet"),
+        (["--hisparse-config", "{}", "--disaggregation-mode", "prefill"],
+         "--enable-hisparse: --disaggregation-mode=prefill is not supported (HiSparse runs on the decode instance"),
     ]
     for extra, message in cases:
         result = subprocess.run([sys.executable, "-m", "sglang.launch_server", *common, *extra], capture_output=True,

@@ -74,3 +74,65 @@ def test_sglang_names_resolve_to_our_classes_after_load_plugins(run_fresh_python
         "True True True",
         "ScheduleBatch.check_decode_mem",
     ]
+
+
+# --- allocator and host pool: what SGLang's PD decode and scheduler code reads ------------------
+SCANNED = ("disaggregation", "managers")
+NOT_OURS_TO_SCAN = ("hisparse_coordinator.py", "cache_controller.py")  # upstream's HiSparse, HiCache
+NOT_ON_HISPARSE_PATHS = {
+    "alloc_extend_swa_tail": "hybrid sliding-window models only (DSA models have no SWA layers)",
+    "full_available_size": "hybrid sliding-window models only",
+    "size_swa": "hybrid sliding-window models only",
+    "swa_available_size": "hybrid sliding-window models only",
+    "translate_loc_from_full_to_swa": "hybrid sliding-window models only",
+    "mamba_allocator": "Mamba (SSM) models only",
+    "mamba_slot_full_token_cost": "Mamba (SSM) models only",
+    "flush_opportunistic": "--enable-unified-memory only, which --enable-hisparse refuses",
+    "set_inflight_forward": "--enable-unified-memory only",
+    "set_latest_forward_done_event": "--enable-unified-memory only",
+    "hisparse_page_size": "read with getattr and a default (the page size), which is ours",
+}
+
+
+def scanned_members() -> dict[str, set[str]]:
+    """Members SGLang's disaggregation and scheduler code reads off the allocator, the allocator's
+    two HiSparse budgets and the coordinator's host pool (grep of the installed source)."""
+    root = Path(sglang.__file__).parent / "srt"
+    found = {"allocator": set(), "budgets": set(), "host_pool": set()}
+    for directory in SCANNED:
+        for path in (root / directory).rglob("*.py"):
+            if path.name in NOT_OURS_TO_SCAN:
+                continue
+            text = path.read_text(errors="ignore")
+            found["budgets"] |= set(re.findall(r"(?:logical_attn_allocator|hisparse_attn_allocator)\.([A-Za-z_]\w*)", text))
+            found["host_pool"] |= set(re.findall(r"mem_pool_host\.([A-Za-z_]\w*)", text))
+            if re.search(r"transfer_kv_pool\s*=\s*\(\s*self\.scheduler\.hisparse_coordinator\.mem_pool_host", text):
+                found["host_pool"] |= set(re.findall(r"transfer_kv_pool\.([A-Za-z_]\w*)", text))
+            found["allocator"] |= set(re.findall(r"token_to_kv_pool_allocator\.([A-Za-z_]\w*)", text))
+            if re.search(r"\ballocator\s*=\s*self\.token_to_kv_pool_allocator", text):
+                found["allocator"] |= set(re.findall(r"(?<![\w.])allocator\.([A-Za-z_]\w*)", text))
+            found["allocator"] |= set(re.findall(r"getattr\(\s*(?:self\.)?(?:token_to_kv_pool_)?allocator,\s*\"(\w+)\"", text))
+    return found
+
+
+def test_installed_sglang_reads_the_known_pd_members():
+    """A new member in SGLang's PD or scheduler code fails here first: add it to ours or, with the
+    reason, to NOT_ON_HISPARSE_PATHS."""
+    found = scanned_members()
+    assert {"logical_attn_allocator", "hisparse_attn_allocator", "alloc_logical_only", "get_kvcache"} <= found["allocator"]
+    assert found["budgets"] == {"available_size"}
+    assert {"alloc_paged_token_slots", "get_contiguous_buf_infos", "layer_num"} <= found["host_pool"]
+
+
+def test_our_allocator_and_host_pool_provide_every_pd_member(gloo_world):
+    rig = Rig(gloo_world)
+    found = scanned_members()
+    missing = sorted(n for n in found["allocator"] if not hasattr(rig.allocator, n) and n not in NOT_ON_HISPARSE_PATHS)
+    assert not missing, f"allocator lacks {missing}"
+    stale = sorted(n for n in NOT_ON_HISPARSE_PATHS if n not in found["allocator"])
+    assert not stale, f"no longer read by SGLang, drop from the exclusions: {stale}"
+    for budget in (rig.allocator.logical_attn_allocator, rig.allocator.hisparse_attn_allocator):
+        assert all(isinstance(getattr(budget, n)(), int) for n in found["budgets"])
+    host = rig.coord.mem_pool_host
+    assert not sorted(n for n in found["host_pool"] if not hasattr(host, n)), "host pool lacks members"
+    assert host.get_contiguous_buf_infos()[0]

@@ -61,8 +61,8 @@ def test_unsupported_settings_are_refused(change, fragment):
         (dict(dcp_size=2), "--dcp-size=2 is not supported"),
         (dict(attn_cp_size=2), "--attn-cp-size=2 is not supported"),
         (dict(enable_prefill_cp=True), "--enable-prefill-cp is not supported"),
-        (dict(disaggregation_mode="decode"), "--disaggregation-mode=decode is not supported"),
         (dict(disaggregation_mode="prefill"), "--disaggregation-mode=prefill is not supported"),
+        (dict(enable_unified_memory=True), "--enable-unified-memory is not supported"),
     ],
 )
 def test_parallel_layouts_not_run_are_refused(change, fragment):
@@ -103,7 +103,8 @@ def _launcher_view(config: str, **overrides):
         enable_hisparse=True, hisparse_config=config, disable_radix_cache=True, kv_cache_dtype="bfloat16",
         dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", enable_mixed_chunk=False,
         speculative_algorithm=None, pp_size=1, device="cuda", base_gpu_id=0, dcp_size=1, attn_cp_size=1,
-        enable_prefill_cp=False, disaggregation_mode="null", get_model_config=lambda: model,
+        enable_prefill_cp=False, disaggregation_mode="null", enable_unified_memory=False,
+        get_model_config=lambda: model,
     )
     values.update(overrides)
     return SimpleNamespace(**values)

@@ -1,0 +1,66 @@
+"""End to end on CPU: a PD decode instance with our HiSparse and SGLang's ``fake`` transfer backend.
+
+The fake backend moves no KV (the prompt's host rows keep whatever they held), so outputs mean
+nothing here; what is checked is the decode instance's life cycle: start-up (SGLang reads the
+allocator's PD budgets), preallocation of logical ids and host rows, direct admission with fresh
+hot buffers (short requests preloaded, long ones empty), decode with misses, and retraction under
+``SGLANG_TEST_RETRACT`` (a retraction every third step): the KV of a retracted request leaves the
+host pool and comes back when it resumes. Afterwards every pool is at its initial count and no
+function of SGLang's own HiSparse ran (trap on). The exactness of offload and restore is shown in
+tests/test_pd_decode.py, where the true KV of every position is known.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from sglang_hisparse.testing.server import post_json, start_server, wait_for_idle_report
+
+pytestmark = pytest.mark.slow
+
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST
+PD_DECODE = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--max-running-requests", "8",
+             "--disaggregation-mode", "decode", "--disaggregation-transfer-backend", "fake"]
+CONTEXTS = [100, 300, 700, 1500]  # B=128: the first is preloaded, the others start empty
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def decode_server(tmp_path_factory):
+    server = start_server(
+        hisparse_config='{"device_buffer_size": 128}', extra_args=PD_DECODE, log_dir=tmp_path_factory.mktemp("pd"),
+        name="pd_decode", max_total_tokens=16384,
+        env={"SGLANG_TEST_RETRACT": "1", "SGLANG_HISPARSE_TRAP_UPSTREAM": "1"},
+    )
+    yield server
+    server.stop()
+
+
+def fake_transfer_request(prompts: list[list[int]], rooms: list[int]) -> dict:
+    """A /generate body a PD router would send to the decode instance, with SGLang's fake
+    bootstrap host (what its own warm-up sends to a fake-backend decode server)."""
+    return {
+        "input_ids": prompts,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True},
+        "bootstrap_host": [FAKE_BOOTSTRAP_HOST] * len(prompts),
+        "bootstrap_room": rooms,
+    }
+
+
+def test_a_pd_decode_instance_serves_retracts_and_resumes_and_frees_everything(decode_server):
+    before = len(decode_server.idle_reports())
+    prompts = [[5 + (i * 7) % 1900 for i in range(n)] for n in CONTEXTS]
+    outs = post_json(f"{decode_server.url}/generate", fake_transfer_request(prompts, [11, 12, 13, 14]), 600)
+    assert [len(o["output_ids"]) for o in outs] == [NEW_TOKENS] * len(CONTEXTS)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    log = decode_server.log()
+    retracted = [int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", log)]
+    assert sum(retracted) > 0, "no request was retracted: the test exercised nothing"
+    report = wait_for_idle_report(decode_server, after=before)
+    assert not report["leak"], report
+    assert report["misses"] > 0, "the long requests never missed: nothing came from host rows"
+    for name, (now, initial) in report["counts"].items():
+        assert now == initial, (name, now, initial)
+    assert "trap: sglang." not in log and "trap: installed on" in log
