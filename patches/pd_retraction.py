@@ -6,11 +6,11 @@ Upstream targets (SGLang 0.5.17, ``sglang.srt.managers.schedule_batch``):
   (or ``SGLANG_TEST_RETRACT``) by asking the allocator for a CPU copy of its KV
   (``offload_kv_cache`` -> ``get_cpu_copy``), which the HiSparse pools cannot give: its KV lives in
   host rows. For a request our coordinator serves, the coordinator takes the copy itself
-  (``offload_request``: the last token written through, positions ``0..seqlen-2`` copied to
+  (``sglang_hisparse.pd.offload_request``: the last token written through, positions ``0..seqlen-2`` copied to
   ordinary memory, every row freed) and SGLang releases the rest without its copy.
 * ``Req.load_kv_cache`` (AROUND): on resume SGLang has given the request new logical ids and new
   host rows; the coordinator writes the copy back and admits the request with a fresh hot buffer
-  (``restore_request``), which SGLang's resume path would otherwise never do.
+  (``sglang_hisparse.pd.restore_request``), which SGLang's resume path would otherwise never do.
 Other requests and servers run SGLang's code unchanged.
 """
 
@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.pd import offload_request, restore_request
 
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 LOAD_TARGET = "sglang.srt.managers.schedule_batch.Req.load_kv_cache"
@@ -41,7 +42,7 @@ def release_req(original: Callable[..., Any], *, req: Any, server_args: Any, his
                 offload_kv: bool = True, **kwargs: Any) -> Any:
     if (isinstance(hisparse_coordinator, HiSparseCoordinator) and offload_kv and not req.finished()
             and server_args.disaggregation_mode == "decode"):
-        req.kv_cache_cpu = HiSparseOffload(hisparse_coordinator, hisparse_coordinator.offload_request(req))
+        req.kv_cache_cpu = HiSparseOffload(hisparse_coordinator, offload_request(hisparse_coordinator, req))
         offload_kv = False
     return original(req=req, server_args=server_args, hisparse_coordinator=hisparse_coordinator,
                     offload_kv=offload_kv, **kwargs)
@@ -51,7 +52,7 @@ def load_kv_cache(original: Callable[..., Any], req: Any, *args: Any, **kwargs: 
     offload = getattr(req, "kv_cache_cpu", None)
     if not isinstance(offload, HiSparseOffload):
         return original(req, *args, **kwargs)
-    offload.coordinator.restore_request(req, offload.kv)
+    restore_request(offload.coordinator, req, offload.kv)
     del req.kv_cache_cpu
     return None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -31,16 +31,9 @@ from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
 from sglang_hisparse.hot_buffers import HotBuffers
 from sglang_hisparse.resolver.dispatch import make_resolver
-from sglang_hisparse.stats import ResolveStats, pool_free_counts
+from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, token_stats
 
 logger = logging.getLogger(__name__)
-
-
-class HiSparseTokenStats(NamedTuple):
-    device_tokens: int
-    device_token_usage: float
-    host_tokens: int
-    host_token_usage: float
 
 
 class HiSparseCoordinator:
@@ -113,11 +106,7 @@ class HiSparseCoordinator:
         return kv_allocated_len
 
     def get_token_stats(self) -> HiSparseTokenStats:
-        device_total, host_total = self.allocator.device_size, self.mirror.pool.capacity_tokens
-        device_used = device_total - self.allocator.physical.available_tokens()
-        host_used = host_total - self.mirror.pool.available_size()
-        return HiSparseTokenStats(device_used, device_used / device_total if device_total else 0.0,
-                                  host_used, host_used / host_total if host_total else 0.0)
+        return token_stats(self.allocator, self.mirror.pool)
 
     def destroy(self) -> None:
         """Wait for every copy in flight, then release the host pool."""
@@ -216,22 +205,6 @@ class HiSparseCoordinator:
 
     def retract_req(self, req) -> None:
         self.request_finished(req)
-
-    def offload_request(self, req) -> torch.Tensor:
-        """PD decode retraction: the KV of the request's committed positions ``0..seqlen-2``
-        (the last one written through first) copied to ordinary memory; then everything the
-        request holds here is freed. :meth:`restore_request` brings it back on resume."""
-        n = req.seqlen - 1
-        self.mirror.write_through([req.req_pool_idx], [n + 1], self.hot.rows_of_positions)
-        snapshot = self.mirror.snapshot(req.req_pool_idx, n)
-        self.request_finished(req)
-        return snapshot
-
-    def restore_request(self, req, snapshot: torch.Tensor) -> None:
-        """PD decode resume: SGLang gave the request new logical ids and host rows for the
-        snapshot's positions; fill the rows and admit it as a transferred request."""
-        self.mirror.restore(req.req_pool_idx, snapshot)
-        self.admit_request_direct(req)
 
     def _leave_staging(self, req) -> None:
         """A staged request leaves: wait for its copy, free its prefill rows and host rows."""

@@ -14,13 +14,31 @@ selection counted) still reports.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 FreeCounts = dict[str, int]
+
+
+class HiSparseTokenStats(NamedTuple):
+    """What SGLang's scheduler logs and exports about HiSparse memory (``get_token_stats``)."""
+
+    device_tokens: int
+    device_token_usage: float
+    host_tokens: int
+    host_token_usage: float
+
+
+def token_stats(allocator, host_pool) -> HiSparseTokenStats:
+    """Device rows and host rows in use, and their share of each pool."""
+    device_total, host_total = allocator.device_size, host_pool.capacity_tokens
+    device_used = device_total - allocator.physical.available_tokens()
+    host_used = host_total - host_pool.available_size()
+    return HiSparseTokenStats(device_used, device_used / device_total if device_total else 0.0,
+                              host_used, host_used / host_total if host_total else 0.0)
 
 
 def pool_free_counts(allocator, host_pool) -> FreeCounts:

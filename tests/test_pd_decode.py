@@ -10,6 +10,8 @@ import pytest
 from rig import PAGE, Rig, Request
 from test_coordinator_lifecycle import select
 
+from sglang_hisparse.pd import offload_request, restore_request
+
 
 def test_pd_budgets_are_net_of_host_rows_and_growth_reservations(gloo_world):
     """``logical_attn_allocator.available_size()`` is the decode room (logical ids net of host
@@ -43,7 +45,7 @@ def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len,
     for _ in range(steps_before):
         assert rig.decode_step([req])
         rig.resolve_and_check([req], rng.randrange(rig.layers), [select(rng, req, rig.top_k, 0.6)])
-    snapshot = rig.coord.offload_request(req)
+    snapshot = offload_request(rig.coord, req)
     assert snapshot.shape[:2] == (rig.layers, req.seq_len)
     req.state = "gone-coordinator"
     rig.release(req)
@@ -51,7 +53,7 @@ def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len,
     other = Request(uid=8, prompt_len=200)  # its rows may reuse the freed ones
     assert rig.admit_direct(other)
     assert rig.pd_prealloc(req, req.seq_len)
-    rig.coord.restore_request(req, snapshot)
+    restore_request(rig.coord, req, snapshot)
     req.state = "decoding"
     for _ in range(25):
         assert rig.decode_step([req, other])
