@@ -28,6 +28,8 @@ class Capacity:
     logical_ids: int
     host_rows: int
     device_buffer_size: int
+    host_row_bytes: int = 0
+    """Pinned bytes of one host row (every layer's KV row of one token)."""
 
     @property
     def idle_room(self) -> int:
@@ -45,6 +47,16 @@ class Capacity:
             f"(device_buffer_size={self.device_buffer_size} + newest page), logical ids {self.logical_ids}, "
             f"host rows {self.host_rows}"
         )
+
+
+def capacity_line(capacity: Capacity) -> str:
+    """The start-up capacity line of a server (the planner prints the same line for a plan)."""
+    return (
+        f"sglang-hisparse capacity: device rows {capacity.device_rows} ({capacity.hot_buffer_rows} per decoding "
+        f"request: at most {capacity.device_rows // capacity.hot_buffer_rows} hot buffers), host rows "
+        f"{capacity.host_rows} (pinned {capacity.host_rows * capacity.host_row_bytes / (1 << 30):.2f} GiB per rank), "
+        f"logical ids {capacity.logical_ids}; admission room when idle {capacity.idle_room} tokens"
+    )
 
 
 def check_startup(capacity: Capacity) -> None:

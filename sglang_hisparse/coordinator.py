@@ -25,7 +25,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from sglang_hisparse.admission import Capacity, check_startup
+from sglang_hisparse.admission import Capacity, capacity_line, check_startup
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
@@ -75,7 +75,7 @@ class HiSparseCoordinator:
         self.capacity = Capacity(
             device_rows=self.allocator.device_size, hot_buffer_rows=self.hot.padded, page_size=self.allocator.page_size,
             logical_ids=self.allocator.logical_size, host_rows=self.mirror.pool.capacity_tokens,
-            device_buffer_size=device_buffer_size,
+            device_buffer_size=device_buffer_size, host_row_bytes=self.mirror.pool.get_size_per_token(),
         )
         check_startup(self.capacity)
         self._producer_stream = None
@@ -87,12 +87,8 @@ class HiSparseCoordinator:
         self._resolve = make_resolver(self.config, device, max_reqs, top_k)
         self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         self._waiting_since: Optional[str] = None
-        logger.info(
-            "sglang-hisparse coordinator: B=%d (%d rows per decoding request), top_k=%d, layers=%d, "
-            "resolver=%s; admission room when idle %d tokens (%s)",
-            device_buffer_size, self.hot.padded, top_k, self.device_pool.layer_num, self._resolve.name,
-            self.capacity.idle_room, self.capacity.describe(),
-        )
+        logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
+                    top_k, self.device_pool.layer_num, self._resolve.name, capacity_line(self.capacity))
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:

@@ -69,7 +69,7 @@ def refused_message(server, prompt: list[int], max_new_tokens: int) -> str:
 
 def test_an_unadmittable_request_is_refused_at_once_and_the_next_is_served(servers):
     _, ours = servers
-    assert f"admission room when idle {ROOM} tokens" in ours.log()
+    assert f"admission room when idle {ROOM} tokens" in ours.log() and "sglang-hisparse capacity: device rows 8192" in ours.log()
     rng = random.Random(0)
     start = time.time()
     message = refused_message(ours, ids(rng, 8100), 16)

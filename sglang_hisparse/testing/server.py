@@ -151,13 +151,20 @@ def start_server(
     if hisparse_config is not None:
         args += ["--enable-hisparse", "--hisparse-config", hisparse_config]
     args += list(extra_args or [])
+    return run_server(args, port=port, env=server_env(cpu=cpu, extra=env), log_dir=log_dir, name=name,
+                      ready_timeout=ready_timeout)
+
+
+def run_server(command: list[str], *, port: int, env: dict[str, str], log_dir: Path, name: str = "server",
+               ready_timeout: float = 600.0) -> Server:
+    """Run ``command`` (a server that will listen on 127.0.0.1:``port``) in its own process group,
+    its output in ``<log_dir>/<name>.log``, and wait until /health answers 200 (raises with the
+    log tail if the process exits or the time runs out)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, env=server_env(cpu=cpu, extra=env), start_new_session=True
-        )
-    server = Server(port=port, process=process, log_path=log_path, args=args)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(port=port, process=process, log_path=log_path, args=command)
     deadline = time.time() + ready_timeout
     while time.time() < deadline:
         if process.poll() is not None:

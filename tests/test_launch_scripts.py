@@ -1,0 +1,160 @@
+"""The launch scripts (scripts/launch/): their commands for an 8 x H200 host, and the same scripts
+run at tiny scale on CPU so they cannot rot: the colocated server and a PD decode instance (fake
+transfer backend) serve requests; the router pairs prefill and decode; --plan prints the plan."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from sglang_hisparse.testing.server import MODELS_DIR, free_port, post_json, run_server, server_env, wait_for_idle_report
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "launch"
+TINY = {"MODEL": str(MODELS_DIR / "tiny-dsa-cpu"), "DEVICE": "cpu", "TP": "1", "DP": "1", "DP_ATTENTION": "0",
+        "HOST": "127.0.0.1", "MEM_FRACTION_STATIC": "0.5", "DEVICE_BUFFER_SIZE": "128", "HOST_TO_DEVICE_RATIO": "2",
+        "EXTRA_ARGS": "--load-format dummy --skip-tokenizer-init --max-total-tokens 16384 --random-seed 0 "
+                      "--disable-overlap-schedule"}
+
+
+def dry_run(script: str, **env: str) -> list[str]:
+    result = subprocess.run(["bash", str(SCRIPTS / script), "--dry-run"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, **env}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return shlex.split(result.stdout)
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_defaults_are_an_8xh200_deployment_with_hisparse_on_the_decode_side():
+    colocated, prefill, decode = dry_run("colocated.sh"), dry_run("pd_prefill.sh"), dry_run("pd_decode.sh")
+    for cmd in (colocated, prefill, decode):
+        assert cmd[1:3] == ["-m", "sglang.launch_server"] and flag(cmd, "--model-path") == "deepseek-ai/DeepSeek-V3.2"
+        assert flag(cmd, "--tp-size") == "8" and flag(cmd, "--dp-size") == "8" and "--enable-dp-attention" in cmd
+        assert flag(cmd, "--dsa-decode-backend") == "flashmla_sparse" and flag(cmd, "--kv-cache-dtype") == "bfloat16"
+    assert json.loads(flag(colocated, "--hisparse-config")) == {"device_buffer_size": 4096, "host_to_device_ratio": 5}
+    assert "--enable-hisparse" not in prefill and flag(prefill, "--disaggregation-mode") == "prefill"
+    assert flag(prefill, "--disaggregation-bootstrap-port") == "8998"
+    assert flag(decode, "--disaggregation-mode") == "decode" and "--disable-radix-cache" in decode
+    assert json.loads(flag(decode, "--hisparse-config")) == {"device_buffer_size": 4096, "host_to_device_ratio": 10}
+    router = dry_run("router.sh")
+    assert router[1:3] == ["-m", "sglang_hisparse.pd_router"] and flag(router, "--decode") == "http://127.0.0.1:30001"
+
+
+def test_every_value_is_a_variable():
+    cmd = dry_run("pd_decode.sh", KV_CACHE_DTYPE="fp8_e4m3", DP_ATTENTION="0", TP="4", DP="1", BASE_GPU_ID="4",
+                  IB_DEVICE="mlx5_0", TRANSFER_BACKEND="mooncake_tcp", DEVICE_BUFFER_SIZE="6144",
+                  HISPARSE_EXTRA='"stats_log_interval": 100', CONTEXT_LENGTH="131072", EXTRA_ARGS="--max-running-requests 64")
+    assert flag(cmd, "--dsa-prefill-backend") == "flashmla_kv" and "--enable-dp-attention" not in cmd
+    assert flag(cmd, "--tp-size") == "4" and flag(cmd, "--base-gpu-id") == "4" and flag(cmd, "--context-length") == "131072"
+    assert flag(cmd, "--disaggregation-ib-device") == "mlx5_0" and flag(cmd, "--disaggregation-transfer-backend") == "mooncake_tcp"
+    assert json.loads(flag(cmd, "--hisparse-config")) == {"device_buffer_size": 6144, "host_to_device_ratio": 10,
+                                                          "stats_log_interval": 100}
+    assert cmd[-2:] == ["--max-running-requests", "64"]
+
+
+def test_unknown_options_are_refused():
+    result = subprocess.run(["bash", str(SCRIPTS / "colocated.sh"), "--dryrun"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown option --dryrun (allowed: --dry-run, --plan, --help)" in result.stderr
+
+
+def test_the_plan_option_prints_the_capacity_of_these_values():
+    result = subprocess.run(["bash", str(SCRIPTS / "colocated.sh"), "--plan"], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHON": sys.executable, "MODEL": str(MODELS_DIR / "tiny-dsa"),
+                                 "TP": "1", "DP": "1", "DP_ATTENTION": "0", "HOST_MEM_GIB": "4000"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("sglang-hisparse capacity: device rows ")
+    refused = subprocess.run(["bash", str(SCRIPTS / "colocated.sh"), "--plan"], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PYTHON": sys.executable, "MODEL": str(MODELS_DIR / "tiny-dsa"),
+                                               "TP": "1", "DP": "1", "DP_ATTENTION": "0", "HOST_MEM_GIB": "10"})
+    assert refused.returncode == 2 and "plan refused: pinned host memory" in refused.stderr
+
+
+def _run_script(script: str, tmp_path: Path, **extra: str):
+    port = free_port()
+    env = server_env(cpu=True, extra={**TINY, "PORT": str(port), "PYTHON": sys.executable, **extra})
+    return run_server(["bash", str(SCRIPTS / script)], port=port, env=env, log_dir=tmp_path, name=script, ready_timeout=300)
+
+
+@pytest.mark.slow
+def test_the_colocated_script_serves_at_tiny_scale(tmp_path):
+    server = _run_script("colocated.sh", tmp_path)
+    try:
+        before = len(server.idle_reports())
+        out = server.generate([[5 + i % 1000 for i in range(600)]], 8)
+        assert len(out[0]["output_ids"]) == 8
+        report = wait_for_idle_report(server, after=before)
+        assert not report["leak"] and report["misses"] > 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_the_pd_decode_script_serves_at_tiny_scale(tmp_path):
+    server = _run_script("pd_decode.sh", tmp_path, TRANSFER_BACKEND="fake")
+    try:
+        body = {"input_ids": [[5 + i % 1000 for i in range(400)]], "bootstrap_host": ["2.2.2.2"], "bootstrap_room": [7],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
+        assert len(post_json(f"{server.url}/generate", body, 300)[0]["output_ids"]) == 8
+        assert not wait_for_idle_report(server)["leak"]
+    finally:
+        server.stop()
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """An instance stand-in: records what it received, answers with its canned body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):  # noqa: N802
+        self._answer(200, b"")
+
+    def do_POST(self):  # noqa: N802
+        self.server.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self._answer(200, self.server.answer)
+
+    def _answer(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def _stand_in(answer: bytes) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    server.bodies, server.answer = [], answer
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_router_script_pairs_each_request_on_both_instances(tmp_path):
+    prefill, decode = _stand_in(b"{}"), _stand_in(b'[{"output_ids": [1, 2]}, {"output_ids": [3]}]')
+    port = free_port()
+    env = {**os.environ, "PYTHON": sys.executable, "PORT": str(port), "HOST": "127.0.0.1", "BOOTSTRAP_PORT": "9123",
+           "PREFILL_URL": f"http://127.0.0.1:{prefill.server_port}", "DECODE_URL": f"http://127.0.0.1:{decode.server_port}"}
+    router = run_server(["bash", str(SCRIPTS / "router.sh")], port=port, env=env, log_dir=tmp_path, name="router",
+                        ready_timeout=60)
+    try:
+        out = post_json(f"{router.url}/generate", {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2}}, 60)
+        assert out == [{"output_ids": [1, 2]}, {"output_ids": [3]}]
+        (sent_prefill,), (sent_decode,) = prefill.bodies, decode.bodies
+        assert sent_prefill == sent_decode
+        assert sent_decode["bootstrap_host"] == ["127.0.0.1"] * 2 and sent_decode["bootstrap_port"] == [9123] * 2
+        rooms = sent_decode["bootstrap_room"]
+        assert len(rooms) == 2 and rooms[0] != rooms[1] and all(0 <= r < 2**63 for r in rooms)
+    finally:
+        router.stop()
+        prefill.shutdown()
+        decode.shutdown()
