@@ -105,3 +105,24 @@ def test_throughput_rows_on_cpu(cpu_e2e):
         assert r["max_running"] == r["concurrency"] and r["decode_steps"] >= 9, r
         assert r["decode_tok_s"] > 0 and r["tpot_ms"] > 0
     assert [r["miss_rate"] is None for r in rows] == [True, True, False, False]
+
+
+def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
+    """The GPU job that runs scripts/launch/colocated.sh and pd_decode.sh (fake transfer, test
+    retractions) at tiny scale, here with the CPU engine."""
+    from sglang_hisparse.testing.server import server_env
+
+    for key, value in server_env(cpu=True).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(e2e, "LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(e2e, "VOCAB", 2000)
+    args = e2e.build_parser().parse_args([
+        "launch-scripts", "--model", "tiny-dsa-cpu", "--device", "cpu", "--contexts", "100,300,700",
+        "--new-tokens", "24", "--buffer", "128", "--ratio", "2", "--max-total-tokens", "16384",
+        "--server-args=--disable-overlap-schedule", "--out", str(tmp_path / "ls.json")])
+    rows = e2e.launch_scripts(args)["launch_scripts"]
+    assert [r["script"] for r in rows] == ["colocated.sh", "pd_decode.sh"], rows
+    for row in rows:
+        assert "error" not in row, row
+        assert row["completed"] == row["requests"] == 3 and row["pools_back_to_initial"], row
+    assert rows[0]["retractions"] == 0 and rows[1]["retractions"] > 0

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -318,6 +319,72 @@ def throughput(args) -> dict:
     return {"throughput": rows}
 
 
+# --- the launch scripts at tiny scale (colocated; PD decode with the fake transfer backend) ------
+SCRIPTS = ROOT / "scripts" / "launch"
+
+
+def script_env(model: str, port: int, extra_args: str, **values: str) -> dict[str, str]:
+    """The launch scripts' variables for the tiny model on this machine's GPU (one rank), plus the
+    deterministic DSA configuration of the exactness runs."""
+    env = {**os.environ, **ENV, "PYTHON": sys.executable, "MODEL": str(ROOT / "sglang_hisparse/testing/models" / model),
+           "TP": "1", "DP": "1", "DP_ATTENTION": "0", "HOST": "127.0.0.1", "PORT": str(port),
+           "MEM_FRACTION_STATIC": "0.4", "EXTRA_ARGS": extra_args, **values}
+    return env
+
+
+def fake_transfer_body(prompts: list[list[int]], new_tokens: int) -> dict:
+    """A request as a PD router sends it to a decode instance, with SGLang's fake bootstrap host."""
+    return {"input_ids": prompts, "bootstrap_host": ["2.2.2.2"] * len(prompts),
+            "bootstrap_room": list(range(100, 100 + len(prompts))),
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+
+
+def launch_scripts(args) -> dict:
+    """scripts/launch/colocated.sh and pd_decode.sh (fake transfer backend, a retraction every third
+    step via SGLANG_TEST_RETRACT) serving the tiny model: every request completes, the idle report
+    shows every pool at its initial count, and the decode instance did retract."""
+    from sglang_hisparse.testing.server import free_port, post_json, run_server
+
+    extra = (f"--load-format dummy --skip-tokenizer-init --random-seed 0 --max-total-tokens {args.max_total_tokens} "
+             f"{args.server_args}")
+    hisparse = {"DEVICE_BUFFER_SIZE": str(args.buffer), "HOST_TO_DEVICE_RATIO": str(args.ratio)}
+    lengths = [int(n) for n in args.contexts.split(",")]
+    rows = []
+    for script, values, retract in (("colocated.sh", {}, False),
+                                    ("pd_decode.sh", {"TRANSFER_BACKEND": "fake", "SGLANG_TEST_RETRACT": "1"}, True)):
+        port = free_port()
+        env = script_env(args.model, port, extra, DEVICE=args.device, **hisparse, **values)
+        t = time.time()
+        row: dict = {"script": script, "B": args.buffer, "contexts": lengths}
+        try:
+            server = run_server(["bash", str(SCRIPTS / script)], port=port, env=env, log_dir=LOG_DIR,
+                                name=script.removesuffix(".sh"), ready_timeout=420)
+        except Exception as e:  # noqa: BLE001 - recorded
+            rows.append({**row, "error": repr(e)[-2000:]})
+            continue
+        print(f"[e2e] {script}: up in {time.time() - t:.0f}s", flush=True)
+        try:
+            before = len(server.idle_reports())
+            batch = prompts(lengths, seed=5)
+            body = fake_transfer_body(batch, args.new_tokens) if retract else {
+                "input_ids": batch, "sampling_params": {"max_new_tokens": args.new_tokens, "temperature": 0.0, "ignore_eos": True}}
+            outs = post_json(f"{server.url}/generate", body, 900)
+            report = wait_for_idle_report(server, after=before)
+            row.update(completed=sum(len(o["output_ids"]) == args.new_tokens for o in outs), requests=len(outs),
+                       pools_back_to_initial=not report["leak"], miss_rate=report["misses"] / report["selected"]
+                       if report["selected"] else None,
+                       retractions=sum(int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)",
+                                                                  server.log())))
+        except Exception as e:  # noqa: BLE001 - recorded
+            row["error"] = repr(e)[-2000:]
+        finally:
+            server.stop()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        Path(args.out).write_text(json.dumps({"launch_scripts": rows}, indent=1))
+    return {"launch_scripts": rows}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -352,12 +419,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-total-tokens", type=int, default=262144)
     t.add_argument("--budget-s", type=float, default=540)
     t.add_argument("--out", required=True)
+    ls = sub.add_parser("launch-scripts")
+    ls.add_argument("--model", default="tiny-dsa")
+    ls.add_argument("--device", default="cuda")
+    ls.add_argument("--contexts", default="2000,16000,32000,60000")
+    ls.add_argument("--new-tokens", type=int, default=64)
+    ls.add_argument("--buffer", type=int, default=4096)
+    ls.add_argument("--ratio", type=int, default=4)
+    ls.add_argument("--max-total-tokens", type=int, default=262144)
+    ls.add_argument("--server-args", default="--context-length 65536 --grammar-backend none --dsa-topk-backend torch "
+                    "--cuda-graph-max-bs 8 --cuda-graph-backend-prefill disabled",
+                    help="more flags for both servers (EXTRA_ARGS of the scripts)")
+    ls.add_argument("--out", required=True)
     return parser
 
 
 def main() -> int:
     args = build_parser().parse_args()
-    result = exactness(args) if args.cmd == "exactness" else throughput(args)
+    result = {"exactness": exactness, "throughput": throughput, "launch-scripts": launch_scripts}[args.cmd](args)
     result["command"] = " ".join(["python", "scripts/gpu/e2e.py"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
