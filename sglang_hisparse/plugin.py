@@ -39,12 +39,13 @@ def function_seams() -> list[ModuleType]:
         config_parser,
         decode_memory_check,
         idle_report,
+        metrics,
         pd_retraction,
         request_admission,
         validation,
     )
 
-    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction]
+    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction, metrics]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,

@@ -62,6 +62,14 @@ class ResolveStats:
         self._decode_steps = 0
         self._logged = (0, 0)
         self._busy = False
+        self._export = None
+
+    def export_to(self, export, gauges: Callable[[], object], interval: int = 40) -> None:
+        """Publish to ``export`` (a :class:`sglang_hisparse.metrics.PrometheusExport`) every
+        ``interval`` decode steps without a host stall, and exactly at every idle report."""
+        from sglang_hisparse.metrics import CounterReader
+
+        self._export = (export, gauges, interval, CounterReader(self.counters))
 
     def totals(self) -> tuple[int, int]:
         """(selected, misses) over the server's life. Synchronizes with the device."""
@@ -77,6 +85,11 @@ class ResolveStats:
         last line (hit rate, misses, bytes copied)."""
         self._busy = True
         self._decode_steps += 1
+        if self._export is not None and self._decode_steps % self._export[2] == 0:
+            export, gauges, _, reader = self._export
+            totals = reader.latest()
+            if totals is not None:
+                export.publish(totals[0], totals[1], self._decode_steps, gauges())
         if not self._log_interval or self._decode_steps % self._log_interval:
             return
         selected, misses = self.totals()
@@ -97,6 +110,8 @@ class ResolveStats:
         self._busy = False
         counts = self.free_counts()
         selected, misses = self.totals()
+        if self._export is not None:
+            self._export[0].publish(selected, misses, self._decode_steps, self._export[1]())
         leak = counts != self.initial
         pools = " ".join(f"{name}={value}/{self.initial[name]}" for name, value in counts.items())
         line = (

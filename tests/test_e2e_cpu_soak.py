@@ -21,6 +21,7 @@ import random
 import threading
 import time
 import urllib.error
+import urllib.request
 import uuid
 
 import pytest
@@ -48,8 +49,8 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("e2e_cpu_soak")
     started = []
     try:
-        ours = start_server(hisparse_config=HISPARSE, extra_args=COMMON, log_dir=logs, name="hisparse_small",
-                            max_total_tokens=POOL, env=TRAP)
+        ours = start_server(hisparse_config=HISPARSE, extra_args=COMMON + ["--enable-metrics"], log_dir=logs,
+                            name="hisparse_small", max_total_tokens=POOL, env=TRAP)
         started.append(ours)
         base = start_server(extra_args=COMMON, log_dir=logs, name="baseline_small", max_total_tokens=POOL)
         started.append(base)
@@ -171,6 +172,29 @@ def test_after_the_soak_outputs_equal_the_server_without_hisparse(servers):
     got = [o["output_ids"] for o in ours.generate(prompts, 32)]
     assert got == want
     assert all(len(set(o)) > 8 for o in got), "degenerate outputs prove nothing"
+
+
+def test_prometheus_exports_what_the_idle_report_says(servers):
+    """With --enable-metrics, /metrics carries our series; at idle they equal the last report."""
+    _, ours = servers
+    before = len(ours.idle_reports())
+    ours.generate([[5 + i % 1000 for i in range(900)]], 16)  # some misses (900 > B)
+    report = wait_for_idle_report(ours, after=before)
+    with urllib.request.urlopen(f"{ours.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_hisparse_"):
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            series[name] = series.get(name, 0.0) + value
+    assert series["sglang_hisparse_selected_rows_total"] == report["selected"] > 0
+    assert series["sglang_hisparse_miss_rows_total"] == report["misses"] > 0
+    assert series["sglang_hisparse_copied_bytes_total"] == report["misses"] * 192  # bf16 rows of 64 + 32 values
+    assert series["sglang_hisparse_decode_steps_total"] >= 16
+    assert series["sglang_hisparse_host_rows_capacity"] == report["counts"]["host_free"][1]
+    assert series["sglang_hisparse_host_rows_used"] == 0 and series["sglang_hisparse_hot_buffers_in_use"] == 0
+    assert series["sglang_hisparse_staging_requests"] == 0
+    assert 'model_name="' in text and 'tp_rank="0"' in text
 
 
 def test_no_upstream_hisparse_code_ran(servers):
