@@ -38,12 +38,13 @@ def server_flags(contexts: list[int], *, cpu: bool) -> tuple[list[str], dict[str
     schedule; on GPU the deterministic configuration of docs/e2e_gpu.md."""
     flags = ["--mem-fraction-static", "0.5" if cpu else "0.4", "--disable-overlap-schedule", "--chunked-prefill-size",
              str(one_prefill_chunk(contexts)), "--max-running-requests", str(len(contexts))]
+    env = {"SGLANG_HISPARSE_DUMMY_LOCALITY": "realistic"}  # selections overlap as a trained model's do
     if cpu:
-        return flags, {}
+        return flags, env
     flags += ["--kv-cache-dtype", "bfloat16", "--dsa-prefill-backend", "flashmla_sparse",
               "--dsa-decode-backend", "flashmla_sparse", "--dsa-topk-backend", "torch",
               "--context-length", "65536", "--grammar-backend", "none"]
-    return flags, {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
+    return flags, {**env, "SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,6 +37,7 @@ HISPARSE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "wait_for_s
 COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
           "--max-running-requests", "8"]
 TRAP = {"SGLANG_HISPARSE_TRAP_UPSTREAM": "1"}
+LOCALITY = {"SGLANG_HISPARSE_DUMMY_LOCALITY": "realistic"}  # selections overlap as a trained model's do
 COMPARED = [300, 900, 1500, 2200]  # one prefill batch on both servers: identical batches
 
 
@@ -50,9 +51,9 @@ def servers(tmp_path_factory):
     started = []
     try:
         ours = start_server(hisparse_config=HISPARSE, extra_args=COMMON + ["--enable-metrics"], log_dir=logs,
-                            name="hisparse_small", max_total_tokens=POOL, env=TRAP)
+                            name="hisparse_small", max_total_tokens=POOL, env={**TRAP, **LOCALITY})
         started.append(ours)
-        base = start_server(extra_args=COMMON, log_dir=logs, name="baseline_small", max_total_tokens=POOL)
+        base = start_server(extra_args=COMMON, log_dir=logs, name="baseline_small", max_total_tokens=POOL, env=LOCALITY)
         started.append(base)
         yield base, ours
     finally:
