@@ -39,7 +39,8 @@ def export_metrics(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> N
     labels = {"model_name": str(scheduler.server_args.served_model_name), "tp_rank": str(tp_rank)}
     if dp_rank is not None:
         labels["dp_rank"] = str(dp_rank)
-    export = PrometheusExport(labels, coordinator.device_pool.row_bytes)
+    moved_row_bytes = 0 if coordinator.config.skip_io else coordinator.device_pool.row_bytes  # skip_io copies nothing
+    export = PrometheusExport(labels, moved_row_bytes)
     coordinator.stats.export_to(export, lambda: gauges_of(coordinator))
     return None
 

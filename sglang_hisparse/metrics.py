@@ -4,7 +4,7 @@
 |---|---|---|
 | `sglang_hisparse_selected_rows_total` | counter | selected positions resolved past the fast path (newest excluded), all layers |
 | `sglang_hisparse_miss_rows_total` | counter | those copied from host |
-| `sglang_hisparse_copied_bytes_total` | counter | bytes copied host -> device by the resolver |
+| `sglang_hisparse_copied_bytes_total` | counter | bytes copied host -> device by the resolver (0 with `skip_io`) |
 | `sglang_hisparse_decode_steps_total` | counter | decode steps |
 | `sglang_hisparse_staging_requests` | gauge | prefilled requests whose copy to host is queued or running |
 | `sglang_hisparse_host_rows_used` / `_host_rows_capacity` | gauge | host rows in use, and all of them |

@@ -26,7 +26,7 @@ import uuid
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+from sglang_hisparse.testing.server import scrape_metrics, start_server, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -181,13 +181,9 @@ def test_prometheus_exports_what_the_idle_report_says(servers):
     before = len(ours.idle_reports())
     ours.generate([[5 + i % 1000 for i in range(900)]], 16)  # some misses (900 > B)
     report = wait_for_idle_report(ours, after=before)
+    series = scrape_metrics(ours)
     with urllib.request.urlopen(f"{ours.url}/metrics", timeout=30) as response:
         text = response.read().decode()
-    series = {}
-    for line in text.splitlines():
-        if line.startswith("sglang_hisparse_"):
-            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
-            series[name] = series.get(name, 0.0) + value
     assert series["sglang_hisparse_selected_rows_total"] == report["selected"] > 0
     assert series["sglang_hisparse_miss_rows_total"] == report["misses"] > 0
     assert series["sglang_hisparse_copied_bytes_total"] == report["misses"] * 192  # bf16 rows of 64 + 32 values

@@ -29,7 +29,7 @@ def cpu_e2e(tmp_path, monkeypatch):
     asked: list[tuple] = []
 
     def launch(impl, *, buffer, ratio, graph, max_total_tokens, max_running, log_dir, stats_interval=0,
-               graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa"):
+               graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa", more_flags=()):
         # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them), and
         # without overlap scheduling whatever ``overlap`` asks (``asked`` records what was asked)
         config = e2e.hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging)
@@ -41,7 +41,7 @@ def cpu_e2e(tmp_path, monkeypatch):
                             max_total_tokens=max_total_tokens,
                             extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
                                         "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
-                                        "--decode-log-interval", "1"])
+                                        "--decode-log-interval", "1", *more_flags])
 
     monkeypatch.setattr(e2e, "launch", launch)
     monkeypatch.setattr(e2e, "LOG_DIR", tmp_path / "logs")
@@ -137,3 +137,34 @@ def test_locality_job_on_cpu(cpu_e2e):
     rows = e2e.locality(args)["locality"]
     assert [r["locality"] for r in rows] == ["none", "realistic"], rows
     assert rows[0]["miss_rate"] > 0.8 and rows[1]["miss_rate"] < 0.25, rows
+
+
+def test_sweep_on_cpu(cpu_e2e):
+    """scripts/gpu/sweep.py end to end at tiny sizes: rows of perf.json's schema per point and level,
+    repeats with their spread, miss rates from our Prometheus series (realistic locality at B = 2 x
+    top_k lands low, no locality high), no bytes moved by the no-IO oracle, the per-layer timing."""
+    import sweep
+
+    tmp_path, started, _ = cpu_e2e
+    args = sweep.build_parser().parse_args([
+        "--points", "none:realistic,ours:realistic,ours_noio:realistic,ours:none", "--concurrency", "1,2",
+        "--context", "1500", "--new-tokens", "24", "--repeats", "2", "--buffer", "128", "--ratio", "2",
+        "--max-total-tokens", "32768", "--timing-context", "300", "--timing-new-tokens", "8", "--budget-s", "3000",
+        "--out", str(tmp_path / "sweep.json")])
+    result = sweep.sweep(args)
+    assert result["skipped"] == [], result["skipped"]
+    rows = {(r["impl"], r["locality"], r["concurrency"]): r for r in result["rows"]}
+    assert sorted(rows) == sorted((i, l, c) for i, l in [("none", "realistic"), ("ours", "realistic"),
+                                                          ("ours_noio", "realistic"), ("ours", "none")] for c in (1, 2))
+    for row in rows.values():
+        assert row["repeats"] == 2 and len(row["runs"]) == 2, row
+        low, high = row["decode_tok_s_spread"]
+        assert 0 < low <= row["decode_tok_s"] <= high and row["tpot_ms"] > 0 and row["held"] == row["concurrency"], row
+    assert rows[("none", "realistic", 1)]["miss_rate"] is None
+    assert all(rows[("ours", "realistic", c)]["miss_rate"] < 0.3 < 0.8 < rows[("ours", "none", c)]["miss_rate"]
+               for c in (1, 2))
+    assert all(rows[("ours", "realistic", c)]["io_gb_s"] > 0 == rows[("ours_noio", "realistic", c)]["io_gb_s"]
+               for c in (1, 2))
+    assert [t["concurrency"] for t in result["layer_timing"]] == [1, 2]
+    assert all(t["per_layer_ms"] == t["tpot_ms"] / result["layers"] > 0 for t in result["layer_timing"])
+    assert json.loads((tmp_path / "sweep.json").read_text())["rows"][0]["impl"] == "none"

@@ -83,10 +83,12 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
                     wait_for_staging: bool = False) -> str | None:
     """The ``--hisparse-config`` of an implementation (None: no HiSparse). ``wait_for_staging`` is
     ours only: SGLang's own HiSparse has no such key."""
-    if impl == "ours":
+    if impl in ("ours", "ours_noio"):
         config = {"device_buffer_size": buffer, "host_to_device_ratio": ratio, "stats_log_interval": stats_interval}
         if wait_for_staging:
             config["wait_for_staging"] = True
+        if impl == "ours_noio":  # the no-IO oracle: everything as ours but no host->device copy
+            config["skip_io"] = True
         return json.dumps(config)
     if impl == "upstream":
         return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
@@ -95,7 +97,8 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
 
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
            log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "",
-           overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa") -> Server:
+           overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa",
+           more_flags: tuple[str, ...] = ()) -> Server:
     """Start one server of ``model`` (a directory under sglang_hisparse/testing/models); its log is
     ``<log_dir>/<server_name(...)>.log``."""
     env = dict(ENV)
@@ -103,7 +106,7 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
         env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
     return start_server(
         model=model, hisparse_config=hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging),
-        extra_args=flags(graph, max_total_tokens, max_running, graph_bs, overlap),
+        extra_args=flags(graph, max_total_tokens, max_running, graph_bs, overlap) + list(more_flags),
         env=env, log_dir=log_dir, cpu=False, name=server_name(impl, buffer, graph, graph_bs, tag),
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )

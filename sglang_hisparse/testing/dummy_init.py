@@ -13,11 +13,13 @@ random weights give the indexer no locality (87% of the selected rows miss on th
 at B = 2 x top_k, 94% on the CPU one). A strength ``s > 0`` gives every token embedding a shared
 direction that only the indexer reads (:func:`add_shared_direction`): its queries then share a
 component from step to step and each head ranks keys by a stable per-token salience, as a
-trained model's do. Presets, calibrated on tiny-dsa-cpu (3 requests of 1.5k-3k tokens, 64 new
-tokens, B = 2 x top_k; docs/performance.md): ``none`` (0, ~94% misses), ``medium`` (4, ~27%),
-``realistic`` (8, ~13%). Outputs stay diverse (every other reader of the hidden state has the
-direction projected out and its gain restored), and they are the same for every server that
-loads these weights, so exactness comparisons keep working.
+trained model's do. So that a strength means the same on every width and depth, the mode also
+scales the layers' residual writers to the embedding's scale (:func:`_damp_residual_writers`).
+Presets, calibrated on tiny-dsa-cpu (3 requests of 1.5k-3k tokens, 64 new tokens, B = 2 x top_k;
+docs/performance.md, where the GPU models' rates are): ``none`` (0, ~94% misses), ``medium``
+(2.5, ~31%), ``realistic`` (5, ~13%). Outputs stay diverse (every other reader of the hidden state
+has the direction projected out and its gain restored), and they are the same for every server
+that loads these weights, so exactness comparisons keep working.
 
 It is a separate entry point so that it can be loaded alone next to SGLang's own HiSparse
 (``SGLANG_PLUGINS=hisparse_dummy_init``) or together with ours, and both see the same weights.
@@ -39,7 +41,7 @@ TARGET = "sglang.srt.model_loader.weight_utils.initialize_dummy_weights"
 ENV = "SGLANG_HISPARSE_DUMMY_INIT"
 STD_ENV = "SGLANG_HISPARSE_DUMMY_STD"
 LOCALITY_ENV = "SGLANG_HISPARSE_DUMMY_LOCALITY"
-LOCALITY_PRESETS = {"none": 0.0, "medium": 4.0, "realistic": 8.0}
+LOCALITY_PRESETS = {"none": 0.0, "medium": 2.5, "realistic": 5.0}
 
 
 def locality_strength(value: str) -> float:
@@ -135,6 +137,42 @@ def add_shared_direction(model: torch.nn.Module, strength: float, seed: int) -> 
             _read_strongly(param[-heads:], e)
     for prefix, f in query_dirs.items():
         _project_out(state[prefix + "q_b_proj.weight"], f, gain)
+    _damp_residual_writers(state, std=float(os.environ.get(STD_ENV, "0.02")), seed=seed)
+
+
+WRITERS = ("o_proj.weight", "down_proj.weight", "experts.w2_weight")  # what adds to the residual stream
+
+
+def _damp_residual_writers(state: dict[str, torch.Tensor], std: float, seed: int) -> None:
+    """Scale every residual writer so that each adds about ``std / sqrt(writers)`` per element.
+
+    Why: with N(0, std) weights a writer's output grows with the width (a 7168-wide MoE block
+    writes ~1.5 per element, 70 x an embedding's 0.02), so on wide models the layers' writes swamp
+    the embedding's shared direction after the first layer and the dial loses its effect (measured
+    before this existed: 78% misses at strength 8 on ds32-width, 13% on tiny-dsa-cpu). After this, the
+    residual stream's token-specific part stays about ``std * sqrt(2)`` per element whatever the
+    width and depth, so a strength means the same share of ``e`` on every model.
+
+    A writer's output size is estimated from its fan-in and its input's size: MLA's ``o_proj`` reads
+    values of ``std * sqrt(kv_lora)`` per element (an upper bound: attention averages them); the MLP
+    down projections read ``silu(g) * u`` with ``g, u ~ N(0, (std * sqrt(hidden))^2)`` (their
+    readers see unit-size inputs), whose size is sampled once from a seeded generator.
+    """
+    writers = [n for n in state if n.endswith(WRITERS)]
+    if not writers:
+        return
+    hidden = next(p.shape[1] for n, p in state.items() if n.endswith("embed_tokens.weight"))
+    kv_lora = next((p.shape[0] for n, p in state.items() if n.endswith("kv_a_layernorm.weight")), hidden)
+    layers = len({n.split(".mlp.")[0].split(".self_attn.")[0] for n in writers})
+    target = std / (2 * layers) ** 0.5
+    generator = torch.Generator()
+    generator.manual_seed(seed + 11)
+    g, u = (std * hidden ** 0.5 * torch.randn(2, 1 << 16, generator=generator)).unbind(0)
+    act_rms = float((torch.nn.functional.silu(g) * u).pow(2).mean().sqrt())
+    for name in writers:
+        param = state[name]
+        input_rms = std * kv_lora ** 0.5 if name.endswith("o_proj.weight") else act_rms
+        param.mul_(target / (std * param.shape[-1] ** 0.5 * input_rms))
 
 
 def _unit(v: torch.Tensor) -> torch.Tensor:

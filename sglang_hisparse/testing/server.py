@@ -190,3 +190,17 @@ def wait_for_idle_report(server: Server, timeout: float = 120.0, after: int = 0)
             return reports[-1]
         time.sleep(1)
     raise TimeoutError(f"no sglang-hisparse idle report within {timeout}s")
+
+
+def scrape_metrics(server: Server, prefix: str = "sglang_hisparse_") -> dict[str, float]:
+    """The server's ``/metrics`` series whose names start with ``prefix``, summed over labels (one
+    value per series name). Needs ``--enable-metrics``."""
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    series: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            series[name] = series.get(name, 0.0) + value
+    return series
+

@@ -1,0 +1,186 @@
+"""The performance sweep: decode throughput of no HiSparse, SGLang's HiSparse, ours and ours without
+IO (the no-IO oracle) at one HBM budget, per concurrency, per locality of the dummy weights.
+
+Runs on the GPU machine (scripts/gpu/run.sh job ``sweep``), one server per point (impl:locality),
+the points one after another; on each server every concurrency level is run ``--repeats`` times
+back to back (a full prefill and ``--new-tokens`` greedy tokens each time: no prefix cache with
+HiSparse). Rows follow docs/results/perf.json's schema (docs/performance.md), plus the raw runs:
+
+    python scripts/gpu/sweep.py --model ds32-width --points none:realistic,ours:realistic \\
+        --concurrency 1,8,32 --repeats 3 --out $OUT/sweep.json
+
+Decode tokens/s and TPOT come from the server's own per-step log lines (scripts/gpu/decode_log.py);
+the miss rate and the IO volume from our Prometheus series (``--enable-metrics``, read after the
+idle report, which publishes exact totals). ``--timing-context`` adds, on the ``none`` server,
+one short-context run per level whose TPOT divided by the model's layer count is the per-layer
+decode time docs/performance.md uses to explain the model choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import e2e  # noqa: E402
+from decode_log import decode_stats, parse_batches  # noqa: E402
+
+from sglang_hisparse.testing.dummy_init import LOCALITY_PRESETS, locality_strength  # noqa: E402
+from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
+
+IMPLS = ("none", "upstream", "ours", "ours_noio")
+LOCALITY_ENV = "SGLANG_HISPARSE_DUMMY_LOCALITY"
+START_MARGIN_S = 150  # a server start plus one level must fit in what is left of the budget
+
+
+def parse_points(text: str) -> list[tuple[str, str]]:
+    """``impl:locality,...`` -> pairs; raises ValueError naming the allowed values."""
+    points = []
+    for item in text.split(","):
+        impl, _, locality = item.partition(":")
+        if impl not in IMPLS:
+            raise ValueError(f"--points: impl {impl!r} is not one of {', '.join(IMPLS)}")
+        locality_strength(locality or "none")  # raises with the allowed values
+        points.append((impl, locality or "none"))
+    return points
+
+
+def layer_count(model: str) -> int:
+    return json.loads((e2e.ROOT / "sglang_hisparse/testing/models" / model / "config.json").read_text())["num_hidden_layers"]
+
+
+def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) -> dict:
+    """One call of ``batch`` with ``new_tokens`` greedy tokens; decode numbers from the log window
+    of this call, miss rate and bytes from our counters (ours only)."""
+    ours = impl.startswith("ours")
+    reports = len(server.idle_reports())
+    before = scrape_metrics(server) if ours else {}
+    log_start = len(server.log())
+    server.generate(batch, new_tokens)
+    if ours:
+        wait_for_idle_report(server, after=reports)  # publishes exact totals
+    else:
+        time.sleep(1.0)  # the last step's log line
+    run = decode_stats(parse_batches(server.log()[log_start:]))
+    if ours:
+        after = scrape_metrics(server)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        selected = delta.get("sglang_hisparse_selected_rows_total", 0.0)
+        run["miss_rate"] = delta.get("sglang_hisparse_miss_rows_total", 0.0) / selected if selected else None
+        decode_s = len(batch) * new_tokens / run["decode_tok_s"]  # approximate: all decode tokens at the pure-step rate
+        run["io_gb_s"] = delta.get("sglang_hisparse_copied_bytes_total", 0.0) / decode_s / 1e9
+    return run
+
+
+def summarize(impl: str, locality: str, concurrency: int, runs: list[dict]) -> dict:
+    """One perf.json row from repeated runs: medians, the spread of decode tok/s, the raw runs."""
+    rates = [r["decode_tok_s"] for r in runs]
+    misses = [r["miss_rate"] for r in runs if r.get("miss_rate") is not None]
+    io = [r["io_gb_s"] for r in runs if "io_gb_s" in r]
+    return {"impl": impl, "locality": locality, "miss_rate": statistics.median(misses) if misses else None,
+            "concurrency": concurrency, "held": max(r["max_running"] for r in runs), "repeats": len(runs),
+            "decode_tok_s": statistics.median(rates), "decode_tok_s_spread": [min(rates), max(rates)],
+            "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
+            "io_gb_s": statistics.median(io) if io else None, "runs": runs}
+
+
+def layer_timing(server: Server, args, layers: int) -> list[dict]:
+    rows = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        run = measure(server, "none", e2e.prompts([args.timing_context] * c, seed=20 + c), args.timing_new_tokens)
+        rows.append({"concurrency": c, "context": args.timing_context, "tpot_ms": run["tpot_ms"],
+                     "per_layer_ms": run["tpot_ms"] / layers, "held": run["max_running"]})
+        print(json.dumps({"layer_timing": rows[-1]}), flush=True)
+    return rows
+
+
+def sweep(args) -> dict:
+    levels = [int(c) for c in args.concurrency.split(",")]
+    layers = layer_count(args.model)
+    result: dict = {"model": args.model, "layers": layers, "context": args.context, "new_tokens": args.new_tokens,
+                    "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
+                    "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "skipped": []}
+    t_start = time.time()
+
+    def left() -> float:
+        return args.budget_s - (time.time() - t_start)
+
+    def save() -> None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+    for impl, locality in parse_points(args.points):
+        if left() < START_MARGIN_S:
+            result["skipped"].append(f"{impl}:{locality} (time budget)")
+            continue
+        os.environ[LOCALITY_ENV] = locality
+        t = time.time()
+        try:
+            server = e2e.launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True,
+                                max_total_tokens=args.max_total_tokens, max_running=max(levels) + 1,
+                                log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}", model=args.model,
+                                more_flags=("--enable-metrics",))
+        except Exception as e:  # noqa: BLE001 - recorded, the next point runs
+            result["skipped"].append(f"{impl}:{locality} failed to start: {repr(e)[-1500:]}")
+            save()
+            continue
+        finally:
+            os.environ.pop(LOCALITY_ENV, None)
+        print(f"[sweep] {impl}:{locality} up in {time.time() - t:.0f}s", flush=True)
+        try:
+            if impl == "none" and args.timing_context and not result["layer_timing"]:
+                result["layer_timing"] = layer_timing(server, args, layers)
+            for c in levels:
+                runs = []
+                for r in range(args.repeats):
+                    if left() < args.level_margin_s:
+                        result["skipped"].append(f"{impl}:{locality} c={c} repeat {r} (time budget)")
+                        break
+                    runs.append(measure(server, impl, e2e.prompts([args.context] * c, seed=10 + c), args.new_tokens))
+                if runs:
+                    result["rows"].append(summarize(impl, locality, c, runs))
+                    print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
+                save()
+        except Exception as e:  # noqa: BLE001 - recorded, the next point runs
+            result["skipped"].append(f"{impl}:{locality} failed: {repr(e)[-1500:]}")
+        finally:
+            server.stop()
+        save()
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/testing/models")
+    p.add_argument("--points", default="none:realistic,upstream:realistic,ours:realistic,ours_noio:realistic",
+                   help="impl:locality,... (impl: none, upstream, ours, ours_noio; locality: a preset or a strength)")
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--buffer", type=int, default=4096)
+    p.add_argument("--ratio", type=int, default=8)
+    p.add_argument("--max-total-tokens", type=int, default=262144)
+    p.add_argument("--timing-context", type=int, default=0, help="per-layer timing on the none server (0: off)")
+    p.add_argument("--timing-new-tokens", type=int, default=64)
+    p.add_argument("--budget-s", type=float, default=540)
+    p.add_argument("--level-margin-s", type=float, default=45, help="a run starts only with this much budget left")
+    p.add_argument("--out", required=True)
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    result = sweep(args)
+    result["command"] = " ".join(["python", "scripts/gpu/sweep.py"] + sys.argv[1:])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
