@@ -159,3 +159,43 @@ def test_real_throughput_logs_split_into_every_level():
     assert held[("ours", 32)] == 32 and held[("upstream", 32)] == 32
     # every request decodes 255 tokens after its first: at least 255 pure steps per wave
     assert all(r["decode_steps"] >= 250 and r["decode_tok_s"] > 0 for r in recomputed)
+
+
+def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
+    """scripts/gpu/perf_report.py: the same (model, impl, locality, concurrency) measured in two
+    calls becomes one row with both repeats, their median and spread; relabelled calls stay apart;
+    the points and parse errors of the sweep name the allowed values."""
+    import perf_report
+    import sweep
+
+    def run(rate, miss=None):
+        return {"decode_tok_s": rate, "tpot_ms": 1000 / rate, "max_running": 4, "miss_rate": miss}
+
+    def fragment(call, rows):
+        (tmp_path / call).mkdir()
+        data = {"model": "m", "layers": 2, "context": 100, "rows": [sweep.summarize(*r) for r in rows],
+                "layer_timing": [{"concurrency": 1, "tpot_ms": 2.0, "per_layer_ms": 1.0}]}
+        (tmp_path / call / "s.json").write_text(json.dumps(data))
+        return (f"{call}/s.json", f"command of {call}")
+
+    fragments = [fragment("gpu_runA", [("ours", "realistic", 4, [run(100.0, 0.2), run(110.0, 0.1)])]),
+                 fragment("gpu_runB", [("ours", "realistic", 4, [run(90.0, 0.3)]), ("none", "none", 4, [run(50.0)])]),
+                 fragment("gpu_runC", [("ours", "realistic", 4, [run(10.0, 0.9)])])]
+    perf_report.LOCALITY_LABELS["gpu_runC"] = {"realistic": "old"}
+    try:
+        perf = perf_report.merge(fragments, results=tmp_path)
+    finally:
+        del perf_report.LOCALITY_LABELS["gpu_runC"]
+    rows = {(r["impl"], r["locality"]): r for r in perf["rows"]}
+    assert sorted(rows) == [("none", "none"), ("ours", "old"), ("ours", "realistic")]
+    pooled = rows[("ours", "realistic")]
+    assert (pooled["repeats"], pooled["decode_tok_s"], pooled["decode_tok_s_spread"]) == (3, 100.0, [90.0, 110.0])
+    assert pooled["miss_rate"] == 0.2 and pooled["runs_from"] == ["gpu_runA", "gpu_runB"]
+    assert rows[("none", "none")]["miss_rate"] is None and rows[("ours", "old")]["decode_tok_s"] == 10.0
+    assert perf["commands"] == ["command of gpu_runA", "command of gpu_runB", "command of gpu_runC"]
+    assert len(perf["layer_timing"]) == 3 and perf["layer_timing"][0]["run"] == "gpu_runA"
+    assert sweep.parse_points("ours_noio:realistic,none") == [("ours_noio", "realistic"), ("none", "none")]
+    with pytest.raises(ValueError, match="none, upstream, ours, ours_noio"):
+        sweep.parse_points("mine:realistic")
+    with pytest.raises(ValueError, match="allowed values are none, medium, realistic"):
+        sweep.parse_points("ours:high")
