@@ -10,10 +10,10 @@
   reserved newest slot for the token being decoded. The last entry is -1 so that translating a
   last_loc of -1 gives -1.
 
-Ownership: this allocator owns both free lists, the mapping, the growth reservation and the
-``hot_owned`` mask (device rows that belong to some hot buffer; ``free`` never releases those,
-so a logical free cannot double-free a hot-buffer row). Hot-buffer tables belong to the
-coordinator, host slots to the host pool.
+Ownership: this allocator owns the logical free list and the mapping; the device rows (their
+free list, the growth reservation and the ``hot_owned`` mask: ``free`` never releases a row a hot
+buffer owns) belong to its :class:`~sglang_hisparse.device_rows.DeviceRows`. Hot-buffer tables
+belong to the coordinator's hot buffers, host slots to the host pool.
 
 Admission (``available_size``) counts the logical space, the host pool (every logical id will
 need a host slot) and the device space (rows for the prefill and, per request, a full hot buffer
@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
+from sglang_hisparse.device_rows import DeviceRows
 from sglang_hisparse.paging import PageAllocator
 
 logger = logging.getLogger(__name__)
@@ -66,12 +67,10 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         super().__init__(self.logical_size, page_size, dtype, device, kvcache, need_sort)
         self.compress_ratio = 1  # SGLang reads this off HiSparse allocators
         self.logical = PageAllocator(self.logical_size // page_size, page_size, device, debug)
-        self.physical = PageAllocator(size // page_size, page_size, device, debug)
+        self.rows = DeviceRows(size, page_size, device, debug)
         self.logical_to_device = torch.zeros(self.logical_size + page_size + 1, dtype=torch.int64, device=device)
         self.logical_to_device[-1] = -1
-        self.hot_owned = torch.zeros(size + page_size, dtype=torch.bool, device=device)
         self.hot_buffer_slots = 0
-        self.device_reserved = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
         kvcache.attach_mapping(self.logical_to_device)
@@ -96,13 +95,13 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
     def hisparse_attn_allocator(self) -> Budget:
         """PD decode admission (hot buffers): device rows net of the growth reservations; SGLang
         divides it by ``padded_buffer_size``, one full hot buffer per request it admits."""
-        return Budget(lambda: self.physical.available_tokens() - self.device_reserved)
+        return Budget(self.rows.room)
 
     def debug_print(self) -> str:
         return (
             f"#logical free: {self.logical.available_tokens()}/{self.logical_size}, "
-            f"#device free: {self.physical.available_tokens()}/{self.device_size} "
-            f"(reserved for growth {self.device_reserved}), host capacity {self.host_capacity}"
+            f"#device free: {self.rows.pages.available_tokens()}/{self.device_size} "
+            f"(reserved for growth {self.rows.reserved}), host capacity {self.host_capacity}"
         )
 
     def logical_used(self) -> int:
@@ -116,7 +115,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     def device_admission_room(self) -> int:
         """Device rows a new request may take for its prefill, keeping a full hot buffer free."""
-        return self.physical.available_tokens() - self.device_reserved - self.hot_buffer_slots
+        return self.rows.room() - self.hot_buffer_slots
 
     def available_size(self) -> int:
         logical_free = self.logical.available_tokens()
@@ -137,19 +136,17 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     def clear(self) -> None:
         self.logical.clear()
-        self.physical.clear()
+        self.rows.clear()
         self.logical_to_device[:-1].zero_()
-        self.hot_owned.zero_()
-        self.device_reserved = 0
         self.is_not_in_free_group = True
         self.free_group = []
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Logical ids with device rows for ``need_size`` tokens (whole pages)."""
-        if need_size > self.logical.available_tokens() or need_size > self.physical.available_tokens() - self.device_reserved:
+        if need_size > self.logical.available_tokens() or need_size > self.rows.room():
             return None
         logical = self.logical.alloc_tokens(need_size)
-        rows = self.physical.alloc_tokens(need_size)
+        rows = self.rows.pages.alloc_tokens(need_size)
         self.logical_to_device[logical] = rows
         return logical
 
@@ -166,10 +163,10 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         pages = self.logical.pages_needed(prefix_lens_cpu.tolist(), seq_lens_cpu.tolist())
         if pages > self.logical.available_pages():
             return None
-        if pages * self.page_size > self.physical.available_tokens() - self.device_reserved:
+        if pages * self.page_size > self.rows.room():
             return None
         logical = self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
-        rows = self.physical.extend(prefix_lens_cpu, seq_lens_cpu, self.logical_to_device[last_loc])
+        rows = self.rows.pages.extend(prefix_lens_cpu, seq_lens_cpu, self.logical_to_device[last_loc])
         assert logical is not None and rows is not None
         self.logical_to_device[logical] = rows
         return logical
@@ -199,10 +196,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
-        rows = self.logical_to_device[free_index]
-        rows = rows[rows > 0]
-        rows = rows[~self.hot_owned[rows]]
-        self.physical.free_tokens(rows)
+        self.rows.free_unowned(self.logical_to_device[free_index])
         self.logical_to_device[free_index] = 0
         self.logical.free_tokens(free_index)
 
@@ -214,57 +208,26 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         return self.logical_to_device[logical_ids]
 
     def take_hot_buffer(self, logical_ids: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
-        """Turn a request's device rows into its hot buffer.
-
-        ``logical_ids`` are the request's ids for positions ``0..n-1`` (page aligned from 0).
-        The device pages of its first ``keep_tokens`` positions (a multiple of the page size)
-        become hot-buffer rows 0..keep_tokens-1; pages not on device (PD direct admission) are
-        allocated; its other device pages are freed; the mapping of ``logical_ids`` is cleared;
-        ``hot_buffer_slots - keep_tokens`` rows are reserved for growth.
-
-        Returns the kept rows (int64 [keep_tokens]) or None, changing nothing, when the device
-        space for the fresh pages plus the growth reservation is not free.
-        """
+        """Turn a request's device rows into its hot buffer (``DeviceRows.take_hot_buffer``) and
+        clear the mapping of its ``logical_ids`` (positions ``0..n-1``, page aligned from 0).
+        Returns the kept rows (int64 [keep_tokens]) or None, changing nothing."""
         p = self.page_size
         assert keep_tokens % p == 0 and 0 < keep_tokens <= self.hot_buffer_slots
         page_starts = self.logical_to_device[logical_ids][::p]
         assert page_starts.numel() * p >= keep_tokens, "fewer positions than the kept rows"
-        kept = page_starts[: keep_tokens // p]
-        unmapped = kept <= 0
-        missing = int(unmapped.sum())
-        growth = self.hot_buffer_slots - keep_tokens
-        if missing * p + growth > self.physical.available_tokens() - self.device_reserved:
-            return None
-        kept_pages = kept // p
-        if missing:
-            kept_pages[unmapped] = self.physical.alloc_pages(missing)
-        dropped = page_starts[keep_tokens // p :]
-        self.physical.free_pages_(dropped[dropped > 0] // p)
-        self.logical_to_device[logical_ids] = 0
-        hot_rows = self.physical.page_rows(kept_pages)
-        self.hot_owned[hot_rows] = True
-        self.device_reserved += growth
-        return hot_rows
-
-    def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
-        """Rows for a short request's growth, from its reservation (never fails)."""
-        assert n_tokens <= self.device_reserved, "growth beyond the reservation"
-        rows = self.physical.alloc_tokens(n_tokens)
-        assert rows is not None, "reserved device rows were not free"
-        self.device_reserved -= n_tokens
-        self.hot_owned[rows] = True
+        rows = self.rows.take_hot_buffer(page_starts, keep_tokens, self.hot_buffer_slots)
+        if rows is not None:
+            self.logical_to_device[logical_ids] = 0
         return rows
 
-    def release_hot_buffer(self, rows: torch.Tensor, unused_reservation: int) -> None:
-        """Free a hot buffer's rows and the part of its growth reservation it never used.
+    def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
+        return self.rows.grow_hot_buffer(n_tokens)
 
-        The caller first unmaps (or frees) the request's logical ids: a mapping left pointing at
-        a released row would let a later ``free`` release it a second time.
-        """
-        self.hot_owned[rows] = False
-        self.physical.free_tokens(rows)
-        self.device_reserved -= unused_reservation
-        assert self.device_reserved >= 0
+    def release_hot_buffer(self, rows: torch.Tensor, unused_reservation: int) -> None:
+        """Free a hot buffer's rows and its unused reservation. The caller first unmaps (or frees)
+        the request's logical ids: a mapping left pointing at a released row would let a later
+        ``free`` release it a second time."""
+        self.rows.release_hot_buffer(rows, unused_reservation)
 
     def map_logical(self, logical_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Point logical ids at device rows (the token being decoded -> its hot-buffer row)."""
@@ -275,7 +238,5 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     def free_prefill_rows(self, logical_ids: torch.Tensor) -> None:
         """Free the device rows of a request still in staging (abort) and clear its mapping."""
-        rows = self.logical_to_device[logical_ids]
-        rows = rows[rows > 0]
-        self.physical.free_tokens(rows[~self.hot_owned[rows]])
+        self.rows.free_unowned(self.logical_to_device[logical_ids])
         self.logical_to_device[logical_ids] = 0

@@ -129,9 +129,9 @@ def parse_hisparse_config(
 
 
 @functools.lru_cache(maxsize=16)
-def _parse_cached(
-    raw_json: Optional[str], model_index_topk: Optional[int]
-) -> HiSparseConfig:
+def _load_object(raw_json: Optional[str]) -> dict[str, Any]:
+    """The JSON object of ``--hisparse-config`` (empty when not given); raises on bad JSON, a
+    non-object or an unknown key."""
     if raw_json is None or raw_json.strip() == "":
         raw: dict[str, Any] = {}
     else:
@@ -154,7 +154,11 @@ def _parse_cached(
             f"--hisparse-config: unknown key(s) {', '.join(unknown)}; "
             f"known keys: {', '.join(KNOWN_KEYS)}"
         )
+    return raw
 
+
+def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> HiSparseConfig:
+    raw = _load_object(raw_json)
     user_top_k = _require_int(raw, "top_k", DEFAULT_TOP_K)
     if user_top_k < 1:
         raise _fail("top_k", user_top_k, "must be >= 1")

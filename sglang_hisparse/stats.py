@@ -35,7 +35,7 @@ class HiSparseTokenStats(NamedTuple):
 def token_stats(allocator, host_pool) -> HiSparseTokenStats:
     """Device rows and host rows in use, and their share of each pool."""
     device_total, host_total = allocator.device_size, host_pool.capacity_tokens
-    device_used = device_total - allocator.physical.available_tokens()
+    device_used = device_total - allocator.rows.pages.available_tokens()
     host_used = host_total - host_pool.available_size()
     return HiSparseTokenStats(device_used, device_used / device_total if device_total else 0.0,
                               host_used, host_used / host_total if host_total else 0.0)
@@ -45,8 +45,8 @@ def pool_free_counts(allocator, host_pool) -> FreeCounts:
     """Free rows of every pool (equal to their initial values when no request is live)."""
     return {
         "logical_free": allocator.logical.available_tokens(),
-        "device_free": allocator.physical.available_tokens(),
-        "device_reserved": allocator.device_reserved,
+        "device_free": allocator.rows.pages.available_tokens(),
+        "device_reserved": allocator.rows.reserved,
         "host_free": host_pool.available_size(),
     }
 

@@ -38,7 +38,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id = 0
 
     def snapshot(self):
-        return (self.a.logical.available_pages(), self.a.physical.available_pages(), self.a.device_reserved)
+        return (self.a.logical.available_pages(), self.a.rows.pages.available_pages(), self.a.rows.reserved)
 
     # --- prefill ---------------------------------------------------------------------------
     @rule(n=st.integers(1, 5 * PAGE))
@@ -135,18 +135,18 @@ class AllocatorMachine(RuleBasedStateMachine):
             held_rows += rows.tolist()
         for state in self.decoding.values():
             held_rows += state["rows"]
-            assert bool(self.a.hot_owned[torch.tensor(state["rows"])].all())
+            assert bool(self.a.rows.hot_owned[torch.tensor(state["rows"])].all())
         held_pages = {r // PAGE for r in held_rows}
-        free_pages = set(self.a.physical.free_pages.tolist())
+        free_pages = set(self.a.rows.pages.free_pages.tolist())
         assert not held_pages & free_pages, "a held row is also free"
         assert len(set(held_rows)) == len(held_rows), "a row is held twice"
-        assert len(free_pages) == self.a.physical.available_pages()
+        assert len(free_pages) == self.a.rows.pages.available_pages()
         held_logical = [i for ids in self.prefilling.values() for i in ids]
         held_logical += [i for s in self.decoding.values() for i in s["logical"]]
         assert len(set(held_logical)) == len(held_logical), "a logical id is held twice"
         assert not {i // PAGE for i in held_logical} & set(self.a.logical.free_pages.tolist())
-        assert self.a.device_reserved == sum(s["reserved"] for s in self.decoding.values())
-        assert self.a.physical.available_tokens() >= self.a.device_reserved
+        assert self.a.rows.reserved == sum(s["reserved"] for s in self.decoding.values())
+        assert self.a.rows.pages.available_tokens() >= self.a.rows.reserved
 
     def teardown(self):
         for rid in list(self.decoding):
@@ -157,7 +157,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for rid in list(self.prefilling):
             self.a.free(torch.tensor(self.prefilling.pop(rid)))
         assert self.snapshot() == self.initial
-        assert not bool(self.a.hot_owned.any())
+        assert not bool(self.a.rows.hot_owned.any())
         assert not bool(self.a.logical_to_device[:-1].any())
 
 
@@ -182,6 +182,6 @@ def test_admission_counts_hot_buffers_and_decode_does_not():
     assert before == DEVICE_ROWS - HOT  # a new request must leave room for its hot buffer
     ids = a.alloc_extend(torch.tensor([0]), torch.tensor([0]), torch.tensor([10]), torch.tensor([10]), torch.tensor([-1]), 10)
     rows = a.take_hot_buffer(ids, PAGE)
-    assert rows is not None and a.device_reserved == HOT - PAGE
+    assert rows is not None and a.rows.reserved == HOT - PAGE
     assert a.available_size() == DEVICE_ROWS - PAGE - (HOT - PAGE) - HOT
     assert a.decode_available_size() == a.logical_size - PAGE

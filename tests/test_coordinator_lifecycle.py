@@ -64,7 +64,7 @@ def test_short_request_grows_through_the_fast_path_into_the_long_path(gloo_world
         layer = step % rig.layers
         rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.5)])
     assert rig.coord.hot.capacity[req.req_pool_idx] == rig.coord.padded_buffer_size
-    assert rig.allocator.device_reserved == 0
+    assert rig.allocator.rows.reserved == 0
     rig.release(req)
     assert rig.counts() == rig.initial_counts
 
