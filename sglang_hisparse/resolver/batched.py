@@ -74,37 +74,11 @@ def resolve_batched(
     valid = (pos >= 0) & ~newest & longr[:, None]
     tokens = slot_tokens.index_select(0, r).long()  # [n, B]
     order = lru.index_select(0, r).long()  # [n, B], oldest first
-    # slot_of: the last slot s with tokens[s] == p (stable sort + right search finds the last).
-    sorted_tok, sort_idx = torch.sort(tokens, dim=1, stable=True)
-    at = torch.searchsorted(sorted_tok, pos.contiguous(), right=True) - 1
-    atc = at.clamp(min=0)
-    found = valid & (at >= 0) & (sorted_tok.gather(1, atc) == pos)
-    hit_slot = torch.where(found, sort_idx.gather(1, atc), -1)  # [n, K]
-    hits_per_slot = torch.zeros((n, B), dtype=torch.long, device=dev)
-    hits_per_slot.scatter_add_(1, hit_slot.clamp(min=0), found.long())
-    slot_hit = hits_per_slot > 0  # [n, B] by slot id
-
+    found, hit_slot, slot_hit = _find_hits(pos, valid, tokens, B)
     miss = valid & ~found
     miss_rank = miss.long().cumsum(1) - 1  # rank among misses, top-k order
     M = miss.sum(1)  # [n]
-    ev = ~slot_hit.gather(1, order)  # evictable, by LRU rank
-    ev_l = ev.long()
-    ev_before = ev_l.cumsum(1) - ev_l  # evictables strictly before each LRU rank
-    E = ev_l.sum(1)
-    assert bool((M <= E).all()), "more misses than evictable slots"
-    q = torch.arange(B, device=dev)[None, :]
-    Mc, Ec = M[:, None], E[:, None]
-    new_pos = torch.where(
-        ev,
-        torch.where(ev_before >= Mc, ev_before - Mc, Ec - Mc + ev_before),
-        Ec + (q - ev_before),
-    )
-    new_order = torch.empty_like(order).scatter_(1, new_pos, order)
-    # victim of miss m: the evictable slot of rank m (column K collects everything else)
-    take = ev & (ev_before < Mc)
-    victims = torch.full((n, K + 1), -1, dtype=torch.long, device=dev)
-    victims.scatter_(1, torch.where(take, ev_before, K), order)
-    victim = victims.gather(1, miss_rank.clamp(min=0))  # [n, K], meaningful where miss
+    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, K)
     dev_row = hot.gather(1, victim.clamp(min=0))
 
     result = torch.where(found, hot.gather(1, hit_slot.clamp(min=0)), result)
@@ -133,6 +107,43 @@ def resolve_batched(
             plan.device_rows[mi, m_rank] = m_dev.to(plan.device_rows.dtype)
     if counters is not None:
         counters += torch.stack([valid.sum(), M.sum()]).to(counters.device, counters.dtype)
+
+
+def _find_hits(pos: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor, B: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which selected positions are in a slot: ``found`` [n, K], the slot of each (-1 if none)
+    and ``slot_hit`` [n, B] (slot id -> hit by some selection). A position held twice counts at
+    its last slot (stable sort + right search)."""
+    n = pos.shape[0]
+    sorted_tok, sort_idx = torch.sort(tokens, dim=1, stable=True)
+    at = torch.searchsorted(sorted_tok, pos.contiguous(), right=True) - 1
+    atc = at.clamp(min=0)
+    found = valid & (at >= 0) & (sorted_tok.gather(1, atc) == pos)
+    hit_slot = torch.where(found, sort_idx.gather(1, atc), -1)  # [n, K]
+    hits_per_slot = torch.zeros((n, B), dtype=torch.long, device=pos.device)
+    hits_per_slot.scatter_add_(1, hit_slot.clamp(min=0), found.long())
+    return found, hit_slot, hits_per_slot > 0
+
+
+def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torch.Tensor, M: torch.Tensor, K: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LRU replacement: miss ``m`` of a row takes its ``m``-th least recently used slot that no
+    selection hit. Returns each selection's victim slot [n, K] (meaningful where it missed) and
+    the new recency order [n, B]: untouched evictable slots, then the victims, then the hit slots."""
+    n, B = order.shape
+    ev = ~slot_hit.gather(1, order)  # evictable, by LRU rank
+    ev_l = ev.long()
+    ev_before = ev_l.cumsum(1) - ev_l  # evictables strictly before each LRU rank
+    E = ev_l.sum(1)
+    assert bool((M <= E).all()), "more misses than evictable slots"
+    q = torch.arange(B, device=order.device)[None, :]
+    Mc, Ec = M[:, None], E[:, None]
+    new_pos = torch.where(ev, torch.where(ev_before >= Mc, ev_before - Mc, Ec - Mc + ev_before), Ec + (q - ev_before))
+    new_order = torch.empty_like(order).scatter_(1, new_pos, order)
+    take = ev & (ev_before < Mc)  # victim of miss m: the evictable slot of rank m (column K collects the rest)
+    victims = torch.full((n, K + 1), -1, dtype=torch.long, device=order.device)
+    victims.scatter_(1, torch.where(take, ev_before, K), order)
+    return victims.gather(1, miss_rank.clamp(min=0)), new_order
 
 
 def replay_plan_batched(

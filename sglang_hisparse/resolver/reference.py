@@ -97,69 +97,72 @@ def resolve_reference(
     if isinstance(num_real_reqs, torch.Tensor):
         num_real_reqs = int(num_real_reqs.reshape(-1)[0])
     stats = ResolveStats()
-    B = device_buffer_size
-    top_k = top_k_positions.shape[1]
     row_bytes = device_kv[0].numel() * device_kv.element_size()
     for i in range(num_real_reqs):
         r = int(req_pool_indices[i])
-        L = int(seq_lens[i])
+        seq_len = int(seq_lens[i])
         positions = top_k_positions[i].tolist()
-        result = [-1] * top_k
+        if seq_len <= device_buffer_size:  # fast path: position p sits in slot p
+            result = [int(hot_locs[r, p]) if p >= 0 else -1 for p in positions]
+            copies: list[tuple[int, int]] = []
+        else:
+            result, copies, selected = _resolve_request(r, seq_len, positions, device_buffer_size, hot_locs,
+                                                        slot_tokens, lru, host_locs)
+            stats.selected += selected
+        for host_row, device_row in copies if not skip_io else ():
+            device_kv[device_row].copy_(host_kv[host_row])
         if plan is not None:
-            plan.counts[i] = 0
-        if L <= B:
-            for j, p in enumerate(positions):
-                if p >= 0:
-                    result[j] = int(hot_locs[r, p])
-            out[i].copy_(torch.tensor(result, dtype=out.dtype))
-            continue
-
-        table = slot_tokens[r].tolist()
-        slot_of = {tok: s for s, tok in enumerate(table) if tok >= 0}
-        order = lru[r].tolist()
-        hit_slots: set[int] = set()
-        miss_js: list[int] = []
-        for j, p in enumerate(positions):
-            if p < 0:
-                continue
-            if p == L - 1:
-                result[j] = int(hot_locs[r, B])
-                continue
-            stats.selected += 1
-            s = slot_of.get(p)
-            if s is not None:
-                hit_slots.add(s)
-                result[j] = int(hot_locs[r, s])
-            else:
-                miss_js.append(j)
-
-        evictable = [s for s in order if s not in hit_slots]
-        hits_in_order = [s for s in order if s in hit_slots]
-        assert len(miss_js) <= len(evictable), "more misses than evictable slots"
-        victims = evictable[: len(miss_js)]
-        for n, (j, s) in enumerate(zip(miss_js, victims)):
-            p = positions[j]
-            host_row = int(host_locs[r, p])
-            device_row = int(hot_locs[r, s])
-            if not skip_io:
-                device_kv[device_row].copy_(host_kv[host_row])
-            slot_tokens[r, s] = p
-            result[j] = device_row
-            if plan is not None:
+            plan.counts[i] = len(copies)
+            for n, (host_row, device_row) in enumerate(copies):
                 plan.host_rows[i, n] = host_row
                 plan.device_rows[i, n] = device_row
-        if plan is not None:
-            plan.counts[i] = len(miss_js)
-        stats.misses += len(miss_js)
-        if not skip_io:
-            stats.copied_bytes += len(miss_js) * row_bytes
-        new_order = evictable[len(miss_js) :] + victims + hits_in_order
-        lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))
+        stats.misses += len(copies)
+        stats.copied_bytes += 0 if skip_io else len(copies) * row_bytes
         out[i].copy_(torch.tensor(result, dtype=out.dtype))
     if counters is not None:
         counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype,
                                  device=counters.device)
     return stats
+
+
+def _resolve_request(
+    r: int, seq_len: int, positions: list[int], B: int, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
+    lru: torch.Tensor, host_locs: torch.Tensor,
+) -> tuple[list[int], list[tuple[int, int]], int]:
+    """One request past the fast path: its device rows in top-k order, the copies its misses need
+    as (host row, device row) in top-k order, and how many positions were selected (the newest
+    token and padding excluded). Updates the request's ``slot_tokens`` and ``lru`` rows."""
+    result = [-1] * len(positions)
+    slot_of = {tok: slot for slot, tok in enumerate(slot_tokens[r].tolist()) if tok >= 0}
+    hit_slots: set[int] = set()
+    miss_js: list[int] = []
+    selected = 0
+    for j, p in enumerate(positions):
+        if p < 0:
+            continue
+        if p == seq_len - 1:  # the newest token: its reserved slot B
+            result[j] = int(hot_locs[r, B])
+            continue
+        selected += 1
+        slot = slot_of.get(p)
+        if slot is None:
+            miss_js.append(j)
+        else:
+            hit_slots.add(slot)
+            result[j] = int(hot_locs[r, slot])
+    order = lru[r].tolist()
+    evictable = [slot for slot in order if slot not in hit_slots]
+    assert len(miss_js) <= len(evictable), "more misses than evictable slots"
+    victims = evictable[: len(miss_js)]
+    copies = []
+    for j, slot in zip(miss_js, victims):
+        device_row = int(hot_locs[r, slot])
+        copies.append((int(host_locs[r, positions[j]]), device_row))
+        slot_tokens[r, slot] = positions[j]
+        result[j] = device_row
+    new_order = evictable[len(miss_js):] + victims + [slot for slot in order if slot in hit_slots]
+    lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))
+    return result, copies, selected
 
 
 def replay_plan_reference(
