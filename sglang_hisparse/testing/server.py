@@ -203,4 +203,3 @@ def scrape_metrics(server: Server, prefix: str = "sglang_hisparse_") -> dict[str
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             series[name] = series.get(name, 0.0) + value
     return series
-
