@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from sglang_hisparse.testing.dummy_init import LOCALITY_ENV  # noqa: E402
 from sglang_hisparse.testing.server import Server, start_server, wait_for_idle_report  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -328,7 +329,7 @@ def locality(args) -> dict:
     rate the counters report (calibration of the dial on this model)."""
     rows = []
     for preset in args.presets.split(","):
-        os.environ["SGLANG_HISPARSE_DUMMY_LOCALITY"] = preset
+        os.environ[LOCALITY_ENV] = preset
         t = time.time()
         server = launch("ours", buffer=args.buffer, ratio=args.ratio, graph=True, max_total_tokens=args.max_total_tokens,
                         max_running=8, log_dir=LOG_DIR, tag=f"locality_{preset}")
@@ -343,7 +344,7 @@ def locality(args) -> dict:
             row = {"locality": preset, "error": repr(e)[-2000:]}
         finally:
             server.stop()
-            os.environ.pop("SGLANG_HISPARSE_DUMMY_LOCALITY", None)
+            os.environ.pop(LOCALITY_ENV, None)
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps({"locality": rows}, indent=1))

@@ -30,11 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402
 from decode_log import decode_stats, parse_batches  # noqa: E402
 
-from sglang_hisparse.testing.dummy_init import LOCALITY_PRESETS, locality_strength  # noqa: E402
+from sglang_hisparse.testing.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
 from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
 
 IMPLS = ("none", "upstream", "ours", "ours_noio")
-LOCALITY_ENV = "SGLANG_HISPARSE_DUMMY_LOCALITY"
 START_MARGIN_S = 150  # a server start plus one level must fit in what is left of the budget
 
 

@@ -85,14 +85,14 @@ def initialize_dummy_weights(model: torch.nn.Module, low: float = -1e-3, high: f
             counts["normal"] += 1
     locality = locality_strength(os.environ.get(LOCALITY_ENV, "0"))
     if locality:
-        add_shared_direction(model, locality, seed)
+        add_shared_direction(model, locality, seed, std)
     logger.warning(
         "%s=normal: %d tensors ~N(0, %s) seeded by name, %d norm weights = 1, %d biases = 0, locality %s",
         ENV, counts["normal"], std, counts["norm"], counts["bias"], locality,
     )
 
 
-def add_shared_direction(model: torch.nn.Module, strength: float, seed: int) -> None:
+def add_shared_direction(model: torch.nn.Module, strength: float, seed: int, std: float) -> None:
     """Locality dial (see the module docstring): a shared direction ``e`` of the hidden space.
 
     * every token embedding gets ``strength`` x (a typical row norm) along ``e``; the residual
@@ -137,7 +137,7 @@ def add_shared_direction(model: torch.nn.Module, strength: float, seed: int) -> 
             _read_strongly(param[-heads:], e)
     for prefix, f in query_dirs.items():
         _project_out(state[prefix + "q_b_proj.weight"], f, gain)
-    _damp_residual_writers(state, std=float(os.environ.get(STD_ENV, "0.02")), seed=seed)
+    _damp_residual_writers(state, std=std, seed=seed)
 
 
 WRITERS = ("o_proj.weight", "down_proj.weight", "experts.w2_weight")  # what adds to the residual stream
