@@ -180,8 +180,15 @@ def test_prometheus_exports_what_the_idle_report_says(servers):
     _, ours = servers
     before = len(ours.idle_reports())
     ours.generate([[5 + i % 1000 for i in range(900)]], 16)  # some misses (900 > B)
-    report = wait_for_idle_report(ours, after=before)
-    series = scrape_metrics(ours)
+    # The previous test's idle report can reach the log after ``before`` was counted, so the first
+    # new report may predate this request: wait until the newest report and /metrics agree.
+    deadline = time.time() + 120
+    while True:
+        report = wait_for_idle_report(ours, after=before)
+        series = scrape_metrics(ours)
+        if series.get("sglang_hisparse_selected_rows_total") == report["selected"] or time.time() > deadline:
+            break
+        time.sleep(1)
     with urllib.request.urlopen(f"{ours.url}/metrics", timeout=30) as response:
         text = response.read().decode()
     assert series["sglang_hisparse_selected_rows_total"] == report["selected"] > 0
