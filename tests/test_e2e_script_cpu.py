@@ -128,17 +128,6 @@ def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
     assert rows[0]["retractions"] == 0 and rows[1]["retractions"] > 0
 
 
-def test_locality_job_on_cpu(cpu_e2e):
-    """The GPU job that calibrates the locality presets, here with the CPU model and B = 2 x top_k."""
-    tmp_path, started, _ = cpu_e2e
-    args = e2e.build_parser().parse_args([
-        "locality", "--presets", "none,realistic", "--contexts", "1500,2500,3000", "--buffer", "128", "--ratio", "2",
-        "--max-total-tokens", "32768", "--out", str(tmp_path / "loc.json")])
-    rows = e2e.locality(args)["locality"]
-    assert [r["locality"] for r in rows] == ["none", "realistic"], rows
-    assert rows[0]["miss_rate"] > 0.8 and rows[1]["miss_rate"] < 0.25, rows
-
-
 def test_sweep_on_cpu(cpu_e2e):
     """scripts/gpu/sweep.py end to end at tiny sizes: rows of perf.json's schema per point and level,
     repeats with their spread, miss rates from our Prometheus series (realistic locality at B = 2 x

@@ -30,7 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sglang_hisparse.testing.dummy_init import LOCALITY_ENV  # noqa: E402
 from sglang_hisparse.testing.server import Server, start_server, wait_for_idle_report  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -323,34 +322,6 @@ def throughput(args) -> dict:
     return {"throughput": rows}
 
 
-# --- locality presets of the dummy weights ----------------------------------------------------
-def locality(args) -> dict:
-    """Per preset of SGLANG_HISPARSE_DUMMY_LOCALITY, ours at B = args.buffer on one batch: the miss
-    rate the counters report (calibration of the dial on this model)."""
-    rows = []
-    for preset in args.presets.split(","):
-        os.environ[LOCALITY_ENV] = preset
-        t = time.time()
-        server = launch("ours", buffer=args.buffer, ratio=args.ratio, graph=True, max_total_tokens=args.max_total_tokens,
-                        max_running=8, log_dir=LOG_DIR, tag=f"locality_{preset}")
-        print(f"[e2e] locality {preset}: up in {time.time() - t:.0f}s", flush=True)
-        try:
-            before = len(server.idle_reports())
-            outs = server.generate(prompts([int(n) for n in args.contexts.split(",")], seed=3), args.new_tokens)
-            report = wait_for_idle_report(server, after=before)
-            row = {"locality": preset, "B": args.buffer, "miss_rate": report["misses"] / report["selected"],
-                   "selected": report["selected"], "distinct_tokens": [len(set(o["output_ids"])) for o in outs]}
-        except Exception as e:  # noqa: BLE001 - recorded
-            row = {"locality": preset, "error": repr(e)[-2000:]}
-        finally:
-            server.stop()
-            os.environ.pop(LOCALITY_ENV, None)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        Path(args.out).write_text(json.dumps({"locality": rows}, indent=1))
-    return {"locality": rows}
-
-
 # --- the launch scripts at tiny scale (colocated; PD decode with the fake transfer backend) ------
 SCRIPTS = ROOT / "scripts" / "launch"
 
@@ -451,14 +422,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-total-tokens", type=int, default=262144)
     t.add_argument("--budget-s", type=float, default=540)
     t.add_argument("--out", required=True)
-    lo = sub.add_parser("locality")
-    lo.add_argument("--presets", default="none,medium,realistic")
-    lo.add_argument("--contexts", default="8000,16000,24000,32000")
-    lo.add_argument("--new-tokens", type=int, default=64)
-    lo.add_argument("--buffer", type=int, default=4096)
-    lo.add_argument("--ratio", type=int, default=4)
-    lo.add_argument("--max-total-tokens", type=int, default=262144)
-    lo.add_argument("--out", required=True)
     ls = sub.add_parser("launch-scripts")
     ls.add_argument("--model", default="tiny-dsa")
     ls.add_argument("--device", default="cuda")
@@ -476,8 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
-    result = {"exactness": exactness, "throughput": throughput, "launch-scripts": launch_scripts,
-              "locality": locality}[args.cmd](args)
+    result = {"exactness": exactness, "throughput": throughput, "launch-scripts": launch_scripts}[args.cmd](args)
     result["command"] = " ".join(["python", "scripts/gpu/e2e.py"] + sys.argv[1:])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
