@@ -9,7 +9,9 @@
 //   blockIdx.x <  num_reqs            planner CTA of request blockIdx.x (padded rows exit early)
 //   blockIdx.x >= num_reqs            copier CTA (only when num_copiers > 0 and not SkipIO)
 //
-// Planner stages (one CTA per request, all state in shared memory):
+// Planner stages (one CTA per request, all state in shared memory). A resident request (residency
+// tables passed, resident[r] != 0) and then a short one (seq_len <= B) leave after S0's top-k row
+// with their rows looked up directly (resolve_resident / the fast path): no IO, no table change.
 //   S0  stage the request's rows (top-k, slot tokens, LRU, hot locs) into smem with cp.async
 //   S1  insert the selected positions into an open-addressing hash table (position -> j)
 //   S2  every slot looks its token up: slot s holding selection j is a hit for j
@@ -167,6 +169,14 @@ struct ResolveParams {
   int64_t plan_dev_stride;
   int32_t* plan_counts;  // [>= num_reqs]
   int64_t* counters;  // nullable: += (selected, misses)
+  // Residency (nullable: resident == nullptr turns it off). A request row r with resident[r] != 0
+  // keeps its whole KV on the device: position q is at logical_to_device[req_to_token[r, q]].
+  const uint8_t* resident;  // [>= table_rows], uint8 or bool, indexed by r
+  const int32_t* req_to_token;  // [>= table_rows, rtt_cols], row stride rtt_stride
+  int64_t rtt_stride;
+  int64_t rtt_cols;
+  const int64_t* logical_to_device;  // [logical_rows]
+  int64_t logical_rows;
   uint32_t* state;  // workspace state words
   int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
   int32_t* flat_dev;
@@ -455,6 +465,37 @@ __device__ __forceinline__ void finish_planner(const ResolveParams& p, bool copi
   }
 }
 
+// Resident request (whole KV on the device): out[j] = logical_to_device[req_to_token[r, q]] for
+// every selected q, -1 for padding. Reads only the top-k row (staged in smem by S0; this waits for
+// it) and the request's req_to_token entries; copies nothing, leaves slot tokens, LRU, the miss
+// list and the counters alone, and records a plan count of 0. A position >= seq_len or beyond
+// req_to_token's columns, or a logical id outside logical_to_device, writes -1 and counts an error.
+// Called by every thread of the CTA (it contains a barrier).
+template <int kTopK>
+__device__ __forceinline__ void resolve_resident(
+    const ResolveParams& p, const int i, const int64_t r, const int64_t L, const int32_t* s_topk, int32_t* out_row) {
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  cp_async_wait_all();
+  __syncthreads();
+  const int32_t* rtt_row = p.req_to_token + r * p.rtt_stride;
+  const int64_t end = L < p.rtt_cols ? L : p.rtt_cols;  // valid positions: 0 <= q < end
+  for (int j = tid; j < kTopK; j += nt) {
+    const int32_t q = s_topk[j];
+    int32_t o = -1;
+    if (q >= 0) {
+      const int64_t id = static_cast<int64_t>(q) < end ? static_cast<int64_t>(rtt_row[q]) : -1;
+      if (id >= 0 && id < p.logical_rows) {
+        o = static_cast<int32_t>(p.logical_to_device[id]);
+      } else {
+        count_error(p.state);  // precondition: q < seq_len, a mapped logical id
+      }
+    }
+    out_row[j] = o;
+  }
+  if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
+}
+
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
 __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
   using Lay = PlanLayout<kB, kTopK>;
@@ -503,6 +544,12 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
       count_error(p.state);
       if (p.has_plan) p.plan_counts[i] = 0;
     }
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+  // ---- Resident request: its own device rows; no IO, no table change (before the fast path). ----
+  if (p.resident != nullptr && p.resident[r] != 0) {  // CTA-uniform
+    resolve_resident<kTopK>(p, i, r, L, s_topk, out_row);
     finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
     return;
   }
@@ -969,11 +1016,46 @@ inline void check_rows(const TensorView& kv, int item_bytes, const char* name) {
                      " must be 16-byte aligned");
 }
 
+inline bool is_byte_flag(DLDataType t) {
+  return (t.code == kDLUInt || t.code == kDLBool) && t.bits == 8 && t.lanes == 1;
+}
+
 inline void check_table(const TensorView& t, int bits, int64_t min_cols, const char* name) {
   host::RuntimeCheck(t.ndim() == 2 && is_int(t.dtype(), bits), "hisparse: ", name, " must be a 2-D int", bits,
                      " tensor");
   host::RuntimeCheck(t.size(1) >= min_cols && (t.size(1) <= 1 || t.stride(1) == 1), "hisparse: ", name,
                      " must have >= ", min_cols, " contiguous columns");
+}
+
+// Checks the residency tables and says whether residency is on (all three empty: off). Both
+// per-request tables must cover table_rows, since the kernel indexes them by any valid request row.
+inline bool check_residency(
+    const TensorView& resident, const TensorView& req_to_token, const TensorView& logical_to_device,
+    int64_t table_rows) {
+  if (resident.numel() == 0 && req_to_token.numel() == 0 && logical_to_device.numel() == 0) return false;
+  host::RuntimeCheck(resident.ndim() == 1 && is_byte_flag(resident.dtype()) && resident.size(0) >= table_rows &&
+                         (resident.size(0) <= 1 || resident.stride(0) == 1),
+                     "hisparse: resident must be a contiguous uint8/bool [>= ", table_rows, "] tensor");
+  check_table(req_to_token, 32, 1, "req_to_token");
+  host::RuntimeCheck(req_to_token.size(0) >= table_rows, "hisparse: req_to_token must have >= ", table_rows,
+                     " rows, has ", req_to_token.size(0));
+  host::RuntimeCheck(logical_to_device.ndim() == 1 && is_int(logical_to_device.dtype(), 64) &&
+                         logical_to_device.size(0) >= 1 &&
+                         (logical_to_device.size(0) <= 1 || logical_to_device.stride(0) == 1),
+                     "hisparse: logical_to_device must be a contiguous int64 [>= 1] tensor");
+  return true;
+}
+
+// Sets p's residency fields (all null / 0 when off; check_residency has accepted the tables).
+inline void set_residency(
+    ResolveParams& p, bool on, const TensorView& resident, const TensorView& req_to_token,
+    const TensorView& logical_to_device) {
+  p.resident = on ? ptr<const uint8_t>(resident) : nullptr;
+  p.req_to_token = on ? ptr<const int32_t>(req_to_token) : nullptr;
+  p.rtt_stride = on ? req_to_token.stride(0) : 0;
+  p.rtt_cols = on ? req_to_token.size(1) : 0;
+  p.logical_to_device = on ? ptr<const int64_t>(logical_to_device) : nullptr;
+  p.logical_rows = on ? logical_to_device.size(0) : 0;
 }
 
 }  // namespace detail
@@ -990,7 +1072,9 @@ int64_t resolve_prepare(int64_t block) {
   return a;
 }
 
-// Resolve one layer (see the file header). Plan / counters are absent when their tensors are empty.
+// Resolve one layer (see the file header). Plan / counters / residency are absent when their
+// tensors are empty (residency: resident uint8/bool [>= table rows], req_to_token int32
+// [>= table rows, max_context] with contiguous columns, logical_to_device int64 [logical ids]).
 // num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
 // copies its own misses; > 0: that many copier CTAs.
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
@@ -1010,6 +1094,9 @@ void resolve(
     TensorView plan_dev,
     TensorView plan_counts,
     TensorView counters,
+    TensorView resident,
+    TensorView req_to_token,
+    TensorView logical_to_device,
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
@@ -1037,6 +1124,11 @@ void resolve(
   check_table(lru, 16, kB, "lru");
   check_table(host_locs, 64, 1, "host_locs");
   host::RuntimeCheck(slot_tokens.size(1) == kB && lru.size(1) == kB, "hisparse: slot_tokens / lru must have B columns");
+  int64_t rows = hot_locs.size(0);  // rows valid in all four tables
+  rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
+  rows = lru.size(0) < rows ? lru.size(0) : rows;
+  rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
+  const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
   check_table(out, 32, kTopK, "out");
   host::RuntimeCheck(out.size(0) >= num_reqs && out.size(1) == kTopK, "hisparse: out must be int32 [>= num_reqs, top_k]");
   host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
@@ -1106,11 +1198,8 @@ void resolve(
   p.host_locs = ptr<const int64_t>(host_locs);
   p.host_locs_stride = host_locs.stride(0);
   p.max_context = host_locs.size(1);
-  int64_t rows = hot_locs.size(0);
-  rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
-  rows = lru.size(0) < rows ? lru.size(0) : rows;
-  rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
   p.table_rows = rows;
+  set_residency(p, has_residency, resident, req_to_token, logical_to_device);
   p.host_kv = ptr<const uint8_t>(host_kv);
   p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
   p.device_kv = ptr<uint8_t>(device_kv);

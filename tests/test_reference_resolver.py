@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,6 +95,64 @@ def test_skip_io_updates_tables_but_copies_nothing_and_plan_replays():
     copied = replay_plan_reference(plan=plan, num_real_reqs=1, host_kv=c.host_kv, device_kv=c.device_kv)
     assert copied == 2 * ROW * 4
     assert c.device_kv[100].tolist() == [1040.0] * ROW and c.device_kv[102].tolist() == [1041.0] * ROW
+
+
+def _residency(flag: torch.Tensor, context: int = 64) -> dict[str, torch.Tensor]:
+    """Request row 0's position p has logical id 500 + 2p (a view with a wider row stride, as a
+    slice of SGLang's table may be) and logical id 500 + 2p lives at device row 9000 - p; every
+    other logical id maps to -5."""
+    wide = torch.arange(500, 500 + 2 * (context + 16), 2, dtype=torch.int32).view(1, context + 16)
+    logical_to_device = torch.full((700,), -5, dtype=torch.int64)
+    logical_to_device[500 + 2 * torch.arange(context)] = 9000 - torch.arange(context)
+    return dict(resident=flag, req_to_token=wide[:, :context], logical_to_device=logical_to_device)
+
+
+def _poisoned_plan() -> MissPlan:
+    return MissPlan(host_rows=torch.full((2, 4), -3, dtype=torch.int64),
+                    device_rows=torch.full((2, 4), -4, dtype=torch.int32),
+                    counts=torch.full((2,), 9, dtype=torch.int32))
+
+
+def test_resident_request_reads_its_own_rows_and_changes_nothing():
+    """A long request (seq_len 31 > B = 4) marked resident: every selected position, the newest
+    included, resolves to logical_to_device[req_to_token[r, p]]; no copy, no table or LRU change,
+    not counted, plan count 0 and no plan rows written."""
+    c = Case(4, tokens=[5, 6, 7, 8], lru=[2, 0, 3, 1])
+    plan, counters = _poisoned_plan(), torch.tensor([11, 22], dtype=torch.int64)
+    stats = c.resolve([12, -1, 30, 6], seq_len=31, plan=plan, counters=counters,
+                      **_residency(torch.tensor([3], dtype=torch.uint8)))  # any nonzero flag
+    assert c.out[0].tolist() == [8988, -1, 8970, 8994]
+    assert c.out[1].tolist() == [-99] * 4
+    assert c.slot_tokens[0].tolist() == [5, 6, 7, 8] and c.lru[0].tolist() == [2, 0, 3, 1]
+    assert (c.device_kv == -7.0).all()
+    assert (stats.selected, stats.misses, stats.copied_bytes) == (0, 0, 0)
+    assert counters.tolist() == [11, 22]
+    assert plan.counts.tolist() == [0, 9]
+    assert (plan.host_rows == -3).all() and (plan.device_rows == -4).all()
+
+
+def test_residency_comes_before_the_fast_path():
+    c = Case(8, tokens=list(range(8)), lru=list(range(8)))
+    c.resolve([0, 5, -1, 7], seq_len=8, **_residency(torch.tensor([True])))
+    assert c.out[0].tolist() == [9000, 8995, -1, 8993]  # not hot_locs (100 + p)
+
+
+def test_a_non_resident_request_ignores_the_residency_tables():
+    c = Case(4, tokens=[5, 6, 7, 8], lru=[0, 1, 2, 3])
+    stats = c.resolve([12, -1, 30, 6], seq_len=31, **_residency(torch.tensor([0], dtype=torch.uint8)))
+    assert c.out[0].tolist() == [100, -1, 104, 101]  # the long path: t6 hits slot 1, t12 misses into slot 0
+    assert c.slot_tokens[0].tolist() == [12, 6, 7, 8]
+    assert (stats.selected, stats.misses) == (2, 1)
+
+
+@pytest.mark.parametrize("missing", ["resident", "req_to_token", "logical_to_device"])
+def test_residency_tables_come_together_or_not_at_all(missing):
+    c = Case(4, tokens=[5, 6, 7, 8], lru=[0, 1, 2, 3])
+    tables = _residency(torch.tensor([1], dtype=torch.uint8))
+    del tables[missing]
+    with pytest.raises(ValueError, match="together"):
+        c.resolve([12, -1, 30, 6], seq_len=31, **tables)
+    assert c.out[0].tolist() == [-99] * 4 and c.slot_tokens[0].tolist() == [5, 6, 7, 8]
 
 
 class NaiveCache:

@@ -4,6 +4,7 @@ the case generator, argument validation, workspace shapes, dispatch rules and th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import random
@@ -58,6 +59,61 @@ def test_batched_matches_loop_reference_on_random_cases(pool, bufs):
         assert not bad, f"seed {seed}: {bad} differ ({spec.describe()})"
 
 
+@pytest.mark.parametrize("resident_prob", [0.3, 0.7, 1.0])
+def test_batched_matches_loop_reference_on_mixed_resident_batches(pool, bufs, resident_prob):
+    """Batches where some requests (short and long) are resident: their rows come from the
+    residency tables, the others resolve as usual, and the resident ones' tables, plan rows and
+    counters are left alone by both oracles alike."""
+    rng = random.Random(int(resident_prob * 100))
+    resident_rows = 0
+    for seed in range(40):
+        K = rng.choice([1, 3, 8, 16])
+        B = K * rng.choice([1, 2, 4]) + rng.choice([0, 3])
+        spec = dataclasses.replace(
+            random_spec(rng, item_bytes=rng.choice([1152, 656, 32]), B=B, top_k=K, block_size=64, max_batch=12,
+                        seed=seed),
+            residency=True, resident_prob=resident_prob, resident_dtype=rng.choice([torch.uint8, torch.bool]),
+            rtt_row_pad=rng.choice([0, 5]), short_frac=0.3)
+        case = make_case(spec, pool, *bufs, CPU)
+        r = case.inputs["req_pool_indices"][: spec.num_real].long()
+        resident_rows += int((case.inputs["resident"][r] != 0).sum())
+        bad = _loop_vs_batched(case)
+        assert not bad, f"seed {seed}: {bad} differ ({spec.describe()})"
+    assert resident_rows > 20
+
+
+def test_batched_resident_rows_change_no_table(pool, bufs):
+    """With every request resident, the batched oracle writes out rows from the residency tables
+    only: slot tables, LRU, device KV and plan rows keep their poison, plan counts are 0 and the
+    counters do not move."""
+    spec = CaseSpec(item_bytes=656, B=32, top_k=16, num_reqs=5, num_real=4, max_reqs=7, seed=2, short_frac=0.3,
+                    plan=True, counters=True, residency=True, resident_prob=1.0)
+    case = make_case(spec, pool, *bufs, CPU)
+    before = {name: t.clone() for name, t in (("tok", case.slot_tokens_all["ref"]), ("lru", case.lru_all["ref"]),
+                                               ("kv", case.ref_kv), ("plan_host", case.ref["plan"].host_rows),
+                                               ("counters", case.ref["counters"]))}
+    resolve_batched(**case.ref_kwargs())
+    assert torch.equal(case.slot_tokens_all["ref"], before["tok"]) and torch.equal(case.lru_all["ref"], before["lru"])
+    assert torch.equal(case.ref_kv, before["kv"]) and torch.equal(case.ref["plan"].host_rows, before["plan_host"])
+    assert torch.equal(case.ref["counters"], before["counters"])
+    assert case.ref["plan"].counts[:4].tolist() == [0] * 4
+    pos = case.inputs["top_k_positions"][:4].long()
+    r = case.inputs["req_pool_indices"][:4].long()
+    ids = case.inputs["req_to_token"][r].gather(1, pos.clamp(min=0)).long()
+    want = torch.where(pos >= 0, case.inputs["logical_to_device"][ids], -1)
+    assert torch.equal(case.ref["out"][:4].long(), want)
+
+
+@pytest.mark.parametrize("missing", ["resident", "req_to_token", "logical_to_device"])
+def test_batched_refuses_a_partial_residency_set(pool, bufs, missing):
+    spec = CaseSpec(item_bytes=656, B=32, top_k=16, num_reqs=2, num_real=2, max_reqs=3, seed=4, residency=True)
+    case = make_case(spec, pool, *bufs, CPU)
+    kw = case.ref_kwargs()
+    del kw[missing]
+    with pytest.raises(ValueError, match="together"):
+        resolve_batched(**kw)
+
+
 @pytest.mark.parametrize("hit_mode", ["zero", "one", "fixed"])
 def test_batched_matches_loop_reference_at_hit_extremes(pool, bufs, hit_mode):
     for seed in range(20):
@@ -97,6 +153,33 @@ def test_cases_satisfy_the_preconditions(pool, bufs):
                 seen_short += 1
                 assert row == list(range(spec.B))
     assert seen_long and seen_short and seen_hits and seen_misses
+
+
+def test_residency_cases_map_positions_to_distinct_device_rows(pool, bufs):
+    """The generator's residency tables: distinct logical ids per table, distinct device rows
+    (beyond the hot buffers') for the ids in use, -1 for the spare ones; flags of both dtypes;
+    random_spec turns residency on for some specs, and the tables are drawn after everything else
+    (the rest of a case is the same with residency on or off)."""
+    rng = random.Random(5)
+    specs = [random_spec(rng, item_bytes=1152, B=64, top_k=32, block_size=64, max_batch=10, seed=s)
+             for s in range(60)]
+    on = [s for s in specs if s.residency]
+    assert 10 < len(on) < 40 and {s.resident_dtype for s in on} == {torch.uint8, torch.bool}
+    for spec in on[:8]:
+        case = make_case(spec, pool, *bufs, CPU)
+        plain = make_case(dataclasses.replace(spec, residency=False), pool, *bufs, CPU)
+        assert torch.equal(case.inputs["top_k_positions"], plain.inputs["top_k_positions"])  # drawn last
+        rtt = case.inputs["req_to_token"]
+        l2d = case.inputs["logical_to_device"]
+        assert rtt.dtype == torch.int32 and rtt.shape[1] >= case.inputs["host_locs"].shape[1]
+        assert torch.unique(rtt).numel() == rtt.numel()
+        used = l2d[rtt.reshape(-1).long()]
+        assert torch.unique(used).numel() == used.numel() and bool((used >= case.device_rows).all())
+        spare = torch.ones(l2d.numel(), dtype=torch.bool)
+        spare[rtt.reshape(-1).long()] = False
+        assert bool((l2d[spare] == -1).all())
+        flags = case.inputs["resident"]
+        assert flags.dtype == spec.resident_dtype and flags.shape[0] == spec.max_reqs
 
 
 @pytest.mark.parametrize("target", ["out", "slot_tokens", "lru", "device_kv", "plan", "counters"])
@@ -294,9 +377,59 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
-    assert len(args) == 21
+    assert len(args) == 24
     assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
     assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
+    assert [a.numel() for a in args[15:18]] == [0, 0, 0]  # no residency
+    assert [a.dtype for a in args[15:18]] == [torch.uint8, torch.int32, torch.int64]
+
+
+def _residency_kwargs(R: int = 4, context: int = 200, flag_dtype: torch.dtype = torch.uint8):
+    return dict(resident=torch.zeros(R, dtype=flag_dtype), req_to_token=torch.zeros(R, context, dtype=torch.int32),
+                logical_to_device=torch.zeros(50, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("flag_dtype", [torch.uint8, torch.bool])
+def test_residency_tables_reach_the_kernel_in_place(monkeypatch, flag_dtype):
+    calls = []
+
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    tables = _residency_kwargs(flag_dtype=flag_dtype)
+    tables["req_to_token"] = torch.zeros(4, 210, dtype=torch.int32)[:, :200]  # a strided view is fine
+    cuda.resolve_cuda(skip_io=True, **_valid_kwargs(), **tables)
+    (args,) = calls
+    assert [a.data_ptr() for a in args[15:18]] == [tables[k].data_ptr() for k in
+                                                  ("resident", "req_to_token", "logical_to_device")]
+    assert args[16].stride() == (210, 1)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.pop("resident"), "together"),
+        (lambda t: t.pop("logical_to_device"), "together"),
+        (lambda t: t.update(resident=t["resident"].int()), "resident"),
+        (lambda t: t.update(resident=t["resident"][:3]), "resident"),
+        (lambda t: t.update(resident=torch.zeros(8, dtype=torch.uint8)[::2]), "resident"),
+        (lambda t: t.update(req_to_token=t["req_to_token"].long()), "req_to_token"),
+        (lambda t: t.update(req_to_token=t["req_to_token"][:3]), "req_to_token"),
+        (lambda t: t.update(req_to_token=t["req_to_token"].t()), "req_to_token"),
+        (lambda t: t.update(logical_to_device=t["logical_to_device"].int()), "logical_to_device"),
+        (lambda t: t.update(logical_to_device=t["logical_to_device"].view(5, 10)), "logical_to_device"),
+        (lambda t: t.update(logical_to_device=torch.zeros(0, dtype=torch.int64)), "logical_to_device"),
+    ],
+)
+def test_resolve_cuda_rejects_bad_residency_tables(change, message, monkeypatch):
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: (_ for _ in ()).throw(AssertionError("no build")))
+    monkeypatch.setattr(cuda, "_static_checked", {})
+    tables = _residency_kwargs()
+    change(tables)
+    with pytest.raises(ValueError, match=message):
+        cuda.resolve_cuda(skip_io=True, **_valid_kwargs(), **tables)
 
 
 def test_int_num_real_reqs_goes_through_the_workspace_scalar(monkeypatch):
@@ -418,6 +551,15 @@ def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch
         jit.resolve_module.cache_clear()
     bad = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(Exception, match="top_k_positions"):
-        module.resolve(bad, *([torch.zeros(1)] * 17), 960, -1, 0)
+        module.resolve(bad, *([torch.zeros(1)] * 20), 960, -1, 0)
     with pytest.raises(Exception, match="block size"):
-        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 17), 48, -1, 0)
+        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 20), 48, -1, 0)
+    topk = torch.zeros(2, 64, dtype=torch.int32)
+    rows = torch.zeros(2, dtype=torch.int64)
+    tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
+              torch.zeros(4, 128, dtype=torch.int16), torch.zeros(4, 300, dtype=torch.int64)]
+    rest = [torch.zeros(1)] * 8  # host_kv .. counters: checked after the residency tables
+    bad_flags = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(Exception, match="resident"):
+        module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
+                               torch.zeros(9, dtype=torch.int64), *([torch.zeros(1)] * 3), 64, -1, 0)

@@ -4,8 +4,8 @@
 Run as ``compute-sanitizer --tool memcheck python scripts/gpu/sanitize_resolve.py`` (or
 racecheck). Cases and the oracle are computed on the CPU and only copied to the GPU, so the
 sanitizer instruments almost nothing but our kernels. Covers block sizes 32 .. 1024, both item
-sizes, plan recording and replay, skip-IO, fast-path and padded rows, copier CTAs automatic, none
-(planners copy) and few. Every launch is also compared with the oracle. Exit status 1 on a
+sizes, plan recording and replay, skip-IO, fast-path and padded rows, resident requests mixed with
+hot-buffer ones (uint8 and bool flags), copier CTAs automatic, none (planners copy) and few. Every launch is also compared with the oracle. Exit status 1 on a
 mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py).
 """
 
@@ -29,18 +29,22 @@ from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batche
 from sglang_hisparse.resolver.cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
 from sglang_hisparse.resolver.reference import MissPlan  # noqa: E402
 
-# (item, B, top_k, batch, num_real, block, copiers, plan, skip_io, hit_mode)
+# (item, B, top_k, batch, num_real, block, copiers, plan, skip_io, hit_mode, resident)
+# resident: None = no residency tables; else (share of resident request rows, flag dtype)
 CASES = [
-    (1152, 128, 64, 4, 4, 32, 0, True, False, "uniform"),
-    (656, 128, 64, 5, 3, 96, 0, False, False, "zero"),
-    (1152, 1024, 512, 3, 3, 256, 0, True, False, "uniform"),
-    (656, 512, 512, 2, 2, 1024, 0, True, True, "one"),
-    (1152, 4096, 2048, 2, 2, 960, 0, True, False, "fixed"),
-    (656, 256, 64, 6, 6, 640, 0, False, False, "uniform"),
+    (1152, 128, 64, 4, 4, 32, 0, True, False, "uniform", None),
+    (656, 128, 64, 5, 3, 96, 0, False, False, "zero", None),
+    (1152, 1024, 512, 3, 3, 256, 0, True, False, "uniform", None),
+    (656, 512, 512, 2, 2, 1024, 0, True, True, "one", None),
+    (1152, 4096, 2048, 2, 2, 960, 0, True, False, "fixed", None),
+    (656, 256, 64, 6, 6, 640, 0, False, False, "uniform", None),
+    (1152, 1024, 512, 6, 5, 352, 0, True, False, "uniform", (0.5, torch.uint8)),
+    (656, 128, 64, 4, 4, 1024, 0, False, True, "fixed", (1.0, torch.bool)),
     # copier mode last (its CTAs wait on the planners')
-    (1152, 128, 64, 4, 4, 64, None, True, False, "uniform"),
-    (656, 1024, 512, 3, 2, 512, 3, False, False, "zero"),
-    (1152, 4096, 2048, 2, 2, 960, None, True, False, "fixed"),
+    (1152, 128, 64, 4, 4, 64, None, True, False, "uniform", None),
+    (656, 1024, 512, 3, 2, 512, 3, False, False, "zero", None),
+    (1152, 4096, 2048, 2, 2, 960, None, True, False, "fixed", None),
+    (1152, 4096, 2048, 3, 3, 960, None, True, False, "fixed", (0.5, torch.bool)),
 ]
 
 
@@ -82,12 +86,14 @@ def main() -> int:
     ws = rcuda.make_workspace(8, dev, top_k=2048)
     rng = random.Random(3)
     failures = 0
-    for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode) in enumerate(CASES):
+    for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode, resident) in enumerate(CASES):
         t0 = time.time()
+        residency = {} if resident is None else dict(residency=True, resident_prob=resident[0],
+                                                      resident_dtype=resident[1], rtt_row_pad=5)
         spec = CaseSpec(item_bytes=item, B=B, top_k=K, num_reqs=batch, num_real=real, max_reqs=batch + 1, seed=n,
                         hit_mode=hit_mode, hit_rate=0.87, short_frac=0.2, plan=plan, skip_io=skip, counters=True,
                         block_size=block, num_copiers=copiers, seq_dtype=rng.choice([torch.int32, torch.int64]),
-                        rpi_dtype=rng.choice([torch.int32, torch.int64]))
+                        rpi_dtype=rng.choice([torch.int32, torch.int64]), **residency)
         case = make_case(spec, pool, kbuf, rbuf, cpu)
         kw, tok, lru = to_gpu(case, dev)
         rcuda.resolve_cuda(**kw, workspace=ws, block_size=block, num_copiers=copiers)
@@ -120,7 +126,8 @@ def main() -> int:
             bad.append(f"workspace state {state}")
         status = "ok" if not bad else f"MISMATCH {bad}"
         print(f"[{args.tool}] case {n}: item {item} B {B} top_k {K} batch {batch}/{real} block {block} "
-              f"copiers {copiers} plan {plan} skip_io {skip}: {status} ({time.time() - t0:.1f}s)", flush=True)
+              f"copiers {copiers} plan {plan} skip_io {skip} resident {resident}: {status} ({time.time() - t0:.1f}s)",
+              flush=True)
         if bad:
             failures += 1
             for x in bad:

@@ -9,6 +9,12 @@ Extra precondition (true of every SGLang batch): the real rows' ``req_pool_indic
 distinct, so per-request updates do not interact. ``host_kv`` may live on any device (a device
 mirror of the pinned host pool makes the GPU tests fast). Returns nothing; ``counters`` carries
 (selected, misses) as in the kernel.
+
+Resident requests (``resident[r] != 0``) take their rows from
+``logical_to_device[req_to_token[r, p]]`` and are left out of the fast and long paths (tables,
+plan rows and counters untouched; plan count 0). Where the kernel counts an error on such a row
+(a position at or beyond ``seq_len`` or ``req_to_token``'s columns, a logical id outside
+``logical_to_device``) this oracle writes -1, as the kernel does.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang_hisparse.resolver.reference import MissPlan
+from sglang_hisparse.resolver.reference import MissPlan, residency_tables
 
 
 def _num_real(num_real_reqs: Union[int, torch.Tensor]) -> int:
@@ -43,12 +49,17 @@ def resolve_batched(
     skip_io: bool = False,
     plan: Optional[MissPlan] = None,
     counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    logical_to_device: Optional[torch.Tensor] = None,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
 
     Raises AssertionError where the reference would (more misses than evictable slots), and when
-    the real rows' ``req_pool_indices`` are not distinct.
+    the real rows' ``req_pool_indices`` are not distinct; ValueError for a partial set of the
+    residency tables (``resident``, ``req_to_token``, ``logical_to_device``: all three or none).
     """
+    residency = residency_tables(resident, req_to_token, logical_to_device)
     n = _num_real(num_real_reqs)
     if n <= 0:
         return
@@ -61,9 +72,14 @@ def resolve_batched(
     assert torch.unique(r).numel() == n, "batched reference needs distinct req_pool_indices"
 
     hot = hot_locs.index_select(0, r).long()  # [n, W]
-    short = L <= B  # fast path rows
-    longr = ~short
-    result = torch.full((n, K), -1, dtype=torch.long, device=dev)
+    if residency is None:
+        res = torch.zeros(n, dtype=torch.bool, device=dev)
+        result = torch.full((n, K), -1, dtype=torch.long, device=dev)
+    else:
+        res = resident.index_select(0, r.to(resident.device)).to(dev) != 0
+        result = torch.where(res[:, None], _resident_rows(pos, L, r, req_to_token, logical_to_device), -1)
+    short = (L <= B) & ~res  # fast path rows
+    longr = ~short & ~res
 
     # Fast path: position p lives at slot p.
     fast_val = torch.where(pos >= 0, hot.gather(1, pos.clamp(0, hot.shape[1] - 1)), -1)
@@ -100,13 +116,31 @@ def resolve_batched(
         lru[r[long_idx]] = new_order[long_idx].to(lru.dtype)
     out[:n] = result.to(out.dtype)
     if plan is not None:
-        plan.counts[:n] = torch.where(short, 0, M).to(plan.counts.dtype)
+        plan.counts[:n] = torch.where(longr, M, 0).to(plan.counts.dtype)
         if mi.numel() > 0:
             m_rank = miss_rank[mi, mj]
             plan.host_rows[mi, m_rank] = m_host.to(plan.host_rows.dtype)
             plan.device_rows[mi, m_rank] = m_dev.to(plan.device_rows.dtype)
     if counters is not None:
         counters += torch.stack([valid.sum(), M.sum()]).to(counters.device, counters.dtype)
+
+
+def _resident_rows(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, req_to_token: torch.Tensor,
+                   logical_to_device: torch.Tensor) -> torch.Tensor:
+    """Each selection's own device row, ``logical_to_device[req_to_token[r, q]]`` [n, K] (int64),
+    for every row as if it were resident; -1 for padding and wherever the kernel counts an error
+    (``q >= seq_len``, ``q`` beyond ``req_to_token``'s columns, a logical id out of range).
+    Reads only; indices are clamped so that garbage in non-resident rows cannot fault."""
+    dev = pos.device
+    cols = req_to_token.shape[1]
+    n_logical = logical_to_device.shape[0]
+    ok = (pos >= 0) & (pos < L[:, None]) & (pos < cols)
+    rows = req_to_token.index_select(0, r.to(req_to_token.device))  # [n, cols]
+    ids = rows.gather(1, pos.clamp(0, max(cols - 1, 0)).to(rows.device)).long().to(dev)
+    ok &= (ids >= 0) & (ids < n_logical)
+    device_rows = logical_to_device.index_select(0, ids.clamp(0, max(n_logical - 1, 0)).reshape(-1).to(
+        logical_to_device.device)).view(ids.shape).to(dev)
+    return torch.where(ok, device_rows, -1)
 
 
 def _find_hits(pos: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor, B: int

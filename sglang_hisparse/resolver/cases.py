@@ -10,6 +10,11 @@ reference's preconditions:
 * short requests (``seq_len <= B``): slot tokens ``arange(B)`` and distinct selections below
   ``seq_len``;
 * padded CUDA-graph rows (``i >= num_real_reqs``) hold garbage that must not be touched;
+* with ``residency`` on, each pool row is resident with probability ``resident_prob`` (its
+  selections are drawn as above; the resolver must ignore its slot tables), and the case passes
+  ``resident`` (uint8 with random nonzero flags, or bool), a ``req_to_token`` table of distinct
+  logical ids (at times a view with a wider row stride) and a ``logical_to_device`` vector of
+  distinct device rows (-1 for the logical ids no request uses);
 * ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
   random over the host pool.
 
@@ -98,11 +103,16 @@ class CaseSpec:
     layer: int = 1
     hot_extra_cols: Optional[int] = None  # None: random in [1, 16]
     out_extra_rows: Optional[int] = None  # None: random in [0, 3]
+    residency: bool = False  # pass resident / req_to_token / logical_to_device
+    resident_prob: float = 0.3  # with residency: chance that a pool row is resident
+    resident_dtype: torch.dtype = torch.uint8  # uint8 or bool
+    rtt_row_pad: int = 0  # > 0: req_to_token is a view with a wider row stride
 
     def describe(self) -> str:
         d = dataclasses.asdict(self)
         d["seq_dtype"] = str(self.seq_dtype).replace("torch.", "")
         d["rpi_dtype"] = str(self.rpi_dtype).replace("torch.", "")
+        d["resident_dtype"] = str(self.resident_dtype).replace("torch.", "")
         return " ".join(f"{k}={v}" for k, v in d.items())
 
 
@@ -116,7 +126,11 @@ def random_spec(
     max_batch: int = 128,
     seed: int,
 ) -> CaseSpec:
-    """A spec with random batch (log-uniform in [1, max_batch]), padding, hit regime, dtypes, modes."""
+    """A spec with random batch (log-uniform in [1, max_batch]), padding, hit regime, dtypes, modes.
+
+    Draws from ``rng`` exactly as before residency existed (so the specs of a given ``rng`` are
+    unchanged); the residency knobs come from a generator seeded by ``seed`` (residency on in
+    about 35% of specs; then usually 30% resident rows, at times none or all)."""
     num_reqs = max(1, min(max_batch, int(round(2 ** rng.uniform(0, 7)))))
     num_real = num_reqs if rng.random() < 0.7 else rng.randint(0, num_reqs)
     hit_mode = rng.choice(["uniform", "uniform", "fixed", "zero", "one"])
@@ -145,6 +159,20 @@ def random_spec(
         block_size=block_size,
         num_copiers=None if copier_choice < 0.6 else (0 if copier_choice < 0.85 else rng.randint(1, 8)),
         topk_row_pad=rng.choice([0, 0, 0, 8]),
+        **_residency_knobs(random.Random(seed ^ _RESIDENCY_SALT)),
+    )
+
+
+_RESIDENCY_SALT = 0x7E51DE47
+
+
+def _residency_knobs(rng: random.Random) -> dict[str, Any]:
+    """The residency fields of a random spec (see :func:`random_spec`)."""
+    return dict(
+        residency=rng.random() < 0.35,
+        resident_prob=rng.choice([0.3, 0.3, 0.3, 0.0, 1.0]),
+        resident_dtype=rng.choice([torch.uint8, torch.bool]),
+        rtt_row_pad=rng.choice([0, 0, 5]),
     )
 
 
@@ -184,6 +212,33 @@ def _distinct_below(gen: torch.Generator, rows: int, width: int, limit: torch.Te
     keys = keys.masked_fill(bad, 2.0)
     vals, idx = keys.topk(count, dim=1, largest=False)
     return torch.where(vals < 2.0, idx, torch.full_like(idx, -1))
+
+
+def _residency_tables(spec: CaseSpec, gen: torch.Generator, R: int, ctx: int, first_row: int
+                      ) -> dict[str, torch.Tensor]:
+    """``resident`` [R], ``req_to_token`` [R, >= ctx] (distinct logical ids, at times a strided
+    view) and ``logical_to_device`` (distinct device rows from ``first_row`` on for the ids in
+    the table, -1 for the spare ids), drawn from ``gen`` on its device."""
+    dev = gen.device
+
+    def randint(lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=gen, device=dev)
+
+    is_resident = torch.rand(R, generator=gen, device=dev) < spec.resident_prob
+    if spec.resident_dtype == torch.bool:
+        resident = is_resident
+    else:
+        resident = torch.where(is_resident, randint(1, 256, (R,)), 0).to(torch.uint8)
+    cols = ctx + 3  # a few columns beyond host_locs'; shapes depend on the spec only (graph replays)
+    used = R * cols
+    n_logical = used + 32  # spare logical ids, mapped to -1
+    ids = torch.randperm(n_logical, generator=gen, device=dev)
+    wide = randint(-(1 << 30), 1 << 30, (R, cols + spec.rtt_row_pad)).to(torch.int32)
+    wide[:, :cols] = ids[:used].view(R, cols).to(torch.int32)
+    req_to_token = wide[:, :cols] if spec.rtt_row_pad > 0 else wide.contiguous()
+    logical_to_device = torch.full((n_logical,), -1, dtype=torch.int64, device=dev)
+    logical_to_device[ids[:used]] = first_row + torch.randperm(used + 64, generator=gen, device=dev)[:used]
+    return dict(resident=resident, req_to_token=req_to_token, logical_to_device=logical_to_device)
 
 
 def make_case(
@@ -335,6 +390,8 @@ def make_case(
         device_buffer_size=B,
         skip_io=spec.skip_io,
     )
+    if spec.residency:  # drawn last: the other tensors of a spec do not depend on it
+        inputs.update(_residency_tables(spec, gen, R, ctx, first_row=D))
     kernel = dict(
         slot_tokens=tok_k[spec.layer], lru=lru_k[spec.layer], out=out.clone(),
         num_real_reqs=torch.tensor([n_real], dtype=torch.int32, device=dev),

@@ -27,7 +27,7 @@ import torch
 
 from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from sglang_hisparse.resolver import jit
-from sglang_hisparse.resolver.reference import MissPlan
+from sglang_hisparse.resolver.reference import MissPlan, residency_tables
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ class ResolveWorkspace:
     """int32 [1]: the same for replay_plan_cuda (it may run on another stream)."""
     empty_i64: torch.Tensor
     empty_i32: torch.Tensor
+    empty_u8: torch.Tensor
+    """Empty tensors passed for absent optional arguments (no plan, counters or residency)."""
 
     @property
     def errors(self) -> torch.Tensor:
@@ -177,6 +179,7 @@ def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int =
         replay_num_real=torch.zeros(1, dtype=torch.int32, device=device),
         empty_i64=torch.empty(0, dtype=torch.int64, device=device),
         empty_i32=torch.empty(0, dtype=torch.int32, device=device),
+        empty_u8=torch.empty(0, dtype=torch.uint8, device=device),
     )
 
 
@@ -265,6 +268,26 @@ def _check_static_tables(
     return item_bytes
 
 
+def _check_residency(
+    resident: torch.Tensor, req_to_token: torch.Tensor, logical_to_device: torch.Tensor, table_rows: int,
+    device: torch.device,
+) -> None:
+    """The checks of resolve_cuda's residency tables (the kernel's ``check_residency``): both
+    per-request tables cover the ``table_rows`` rows every other table has."""
+    _check(resident.dim() == 1 and resident.dtype in (torch.uint8, torch.bool) and resident.device == device
+           and resident.shape[0] >= table_rows and (resident.shape[0] <= 1 or resident.stride(0) == 1),
+           f"resident must be a contiguous uint8/bool [>= {table_rows}] tensor on {device}, got {resident.dtype} "
+           f"{tuple(resident.shape)} on {resident.device}")
+    _check_table(req_to_token, torch.int32, "req_to_token", device)
+    _check(req_to_token.shape[0] >= table_rows and req_to_token.shape[1] >= 1,
+           f"req_to_token needs >= {table_rows} rows and >= 1 column, has {tuple(req_to_token.shape)}")
+    _check(logical_to_device.dim() == 1 and logical_to_device.dtype == torch.int64
+           and logical_to_device.device == device and logical_to_device.shape[0] >= 1
+           and (logical_to_device.shape[0] <= 1 or logical_to_device.stride(0) == 1),
+           f"logical_to_device must be a contiguous int64 [>= 1] tensor on {device}, got {logical_to_device.dtype} "
+           f"{tuple(logical_to_device.shape)} on {logical_to_device.device}")
+
+
 def resolve_cuda(
     *,
     top_k_positions: torch.Tensor,
@@ -282,6 +305,9 @@ def resolve_cuda(
     skip_io: bool = False,
     plan: Optional[MissPlan] = None,
     counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    logical_to_device: Optional[torch.Tensor] = None,
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_copiers: Optional[int] = None,
@@ -292,6 +318,9 @@ def resolve_cuda(
     Side effects (all on the current stream, asynchronous): writes ``out[:num_real]``, the victims'
     ``slot_tokens``, the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
+    Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
+    (and a plan count of 0); the three tables are only read, so their contents (not their
+    addresses) may change between replays of a captured graph.
 
     Args beyond the reference's:
         workspace: from :func:`make_workspace` (``max_reqs >= num_reqs``, ``top_k >= top_k``).
@@ -304,6 +333,7 @@ def resolve_cuda(
 
     Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
     """
+    residency = residency_tables(resident, req_to_token, logical_to_device)
     B = int(device_buffer_size)
     block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
     device = workspace.device
@@ -319,11 +349,15 @@ def resolve_cuda(
     _check_table(out, torch.int32, "out", device)
     _check(out.shape[0] >= num_reqs and out.shape[1] == top_k, "out must be int32 [>= num_reqs, top_k]")
     static_key = (B, top_k, bool(skip_io), device, _signature(hot_locs), _signature(slot_tokens), _signature(lru),
-                  _signature(host_locs), _signature(host_kv), _signature(device_kv))
+                  _signature(host_locs), _signature(host_kv), _signature(device_kv),
+                  None if residency is None else tuple(_signature(t) for t in residency))
     item_bytes = _static_checked.get(static_key)
     if item_bytes is None:
         item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
                                           device_kv)
+        if residency is not None:
+            table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
+            _check_residency(*residency, table_rows, device)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
         _static_checked[static_key] = item_bytes
@@ -350,6 +384,7 @@ def resolve_cuda(
         module = jit.resolve_module(item_bytes, B, top_k)
     fn = module.resolve_skip_io if skip_io else module.resolve
     e64, e32 = workspace.empty_i64, workspace.empty_i32
+    resident_, req_to_token_, logical_to_device_ = residency if residency is not None else (workspace.empty_u8, e32, e64)
     fn(
         top_k_positions, seq_lens, req_pool_indices, hot_locs, slot_tokens, lru, host_locs,
         host_kv, device_kv, out, n_real,
@@ -357,6 +392,7 @@ def resolve_cuda(
         plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32,
         counters if counters is not None else e64,
+        resident_, req_to_token_, logical_to_device_,
         workspace.state, workspace.flat_host_rows, workspace.flat_device_rows,
         block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
     )

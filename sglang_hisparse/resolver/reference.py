@@ -7,6 +7,9 @@ For request ``i < num_real_reqs`` (rows at and beyond ``num_real_reqs`` are not 
 ``L = seq_lens[i]``, ``r = req_pool_indices[i]`` and B = ``device_buffer_size``:
 
 * A padding entry (``-1``) resolves to ``-1``.
+* Resident request (``resident[r] != 0``; only when the residency tables are passed): its whole KV
+  is on the device, position ``p`` at ``logical_to_device[req_to_token[r, p]]``. No IO, no table
+  or LRU change, not counted. Checked before the fast path.
 * Fast path, ``L <= B``: position ``p`` lives at slot ``p``: ``out = hot_locs[r, p]``. No IO, no
   table or LRU change.
 * Otherwise the newest position ``L - 1`` resolves to the reserved newest slot B
@@ -72,6 +75,9 @@ def resolve_reference(
     skip_io: bool = False,
     plan: Optional[MissPlan] = None,
     counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None,
+    req_to_token: Optional[torch.Tensor] = None,
+    logical_to_device: Optional[torch.Tensor] = None,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
 
@@ -93,7 +99,11 @@ def resolve_reference(
         skip_io: plan and update tables but copy no bytes (timing oracle).
         plan: when given, records each request's copies (host row, device row) in top-k order.
         counters: when given, an int64 [2] tensor incremented by (selected, misses).
+        resident: bool or uint8 [max_reqs], nonzero where the request slot is resident; with
+            ``req_to_token`` (int32 [max_reqs, max_context], SGLang's position -> logical id
+            table) and ``logical_to_device`` (int64, logical id -> device row). All three or none.
     """
+    residency = residency_tables(resident, req_to_token, logical_to_device)
     if isinstance(num_real_reqs, torch.Tensor):
         num_real_reqs = int(num_real_reqs.reshape(-1)[0])
     stats = ResolveStats()
@@ -102,9 +112,12 @@ def resolve_reference(
         r = int(req_pool_indices[i])
         seq_len = int(seq_lens[i])
         positions = top_k_positions[i].tolist()
-        if seq_len <= device_buffer_size:  # fast path: position p sits in slot p
+        copies: list[tuple[int, int]] = []
+        if residency is not None and bool(resident[r]):  # whole KV on device: its own rows
+            rows = logical_to_device[req_to_token[r, :seq_len].long()].tolist()
+            result = [int(rows[p]) if p >= 0 else -1 for p in positions]
+        elif seq_len <= device_buffer_size:  # fast path: position p sits in slot p
             result = [int(hot_locs[r, p]) if p >= 0 else -1 for p in positions]
-            copies: list[tuple[int, int]] = []
         else:
             result, copies, selected = _resolve_request(r, seq_len, positions, device_buffer_size, hot_locs,
                                                         slot_tokens, lru, host_locs)
@@ -123,6 +136,16 @@ def resolve_reference(
         counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype,
                                  device=counters.device)
     return stats
+
+
+def residency_tables(resident, req_to_token, logical_to_device):
+    """The residency tables, or None when none is passed (raises ValueError for a partial set)."""
+    given = [t is not None for t in (resident, req_to_token, logical_to_device)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("resident, req_to_token and logical_to_device are passed together or not at all")
+    return resident, req_to_token, logical_to_device
 
 
 def _resolve_request(

@@ -24,6 +24,7 @@ T* ptr(const torch::Tensor& t) {
 struct Args {
   torch::Tensor topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real;
   torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev;
+  torch::Tensor resident, req_to_token, logical_to_device;  // all empty: residency off
   int64_t block, copiers;
   bool concurrent;
 };
@@ -66,6 +67,23 @@ void run_resolve(const Args& a) {
     p.plan_counts = ptr<int32_t>(a.plan_counts);
   }
   p.counters = a.counters.numel() > 0 ? ptr<int64_t>(a.counters) : nullptr;
+  if (a.resident.numel() > 0) {  // the host wrapper's check_residency, in short
+    TORCH_CHECK(a.resident.dim() == 1 && a.resident.element_size() == 1 && a.resident.size(0) >= p.table_rows &&
+                    a.resident.is_contiguous(),
+                "resident must be a contiguous uint8/bool [>= table rows] tensor");
+    TORCH_CHECK(a.req_to_token.dim() == 2 && a.req_to_token.scalar_type() == torch::kInt32 &&
+                    a.req_to_token.size(0) >= p.table_rows && a.req_to_token.stride(1) == 1,
+                "req_to_token must be int32 [>= table rows, cols] with contiguous columns");
+    TORCH_CHECK(a.logical_to_device.dim() == 1 && a.logical_to_device.scalar_type() == torch::kInt64 &&
+                    a.logical_to_device.is_contiguous(),
+                "logical_to_device must be a contiguous int64 tensor");
+    p.resident = reinterpret_cast<const uint8_t*>(a.resident.data_ptr());
+    p.req_to_token = ptr<const int32_t>(a.req_to_token);
+    p.rtt_stride = a.req_to_token.stride(0);
+    p.rtt_cols = a.req_to_token.size(1);
+    p.logical_to_device = ptr<const int64_t>(a.logical_to_device);
+    p.logical_rows = a.logical_to_device.size(0);
+  }
   p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
   p.flat_host = ptr<int64_t>(a.flat_host);
   p.flat_dev = ptr<int32_t>(a.flat_dev);
@@ -128,12 +146,14 @@ void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor top
              torch::Tensor rpi, torch::Tensor hot, torch::Tensor tok, torch::Tensor lru, torch::Tensor host_locs,
              torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
              torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
+             torch::Tensor resident, torch::Tensor req_to_token, torch::Tensor logical_to_device,
              torch::Tensor state, torch::Tensor flat_host, torch::Tensor flat_dev, int64_t block, int64_t copiers,
              bool concurrent) {
   const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
   TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
   it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
-                  plan_dev, plan_counts, counters, state, flat_host, flat_dev, block, copiers, concurrent});
+                  plan_dev, plan_counts, counters, state, flat_host, flat_dev, resident, req_to_token,
+                  logical_to_device, block, copiers, concurrent});
 }
 
 void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts,

@@ -5,7 +5,9 @@ Coverage: top_k in {64, 512, 2048} x B in {k, 2k, 4k} x item sizes {1152, 656} x
 32..1024 step 32 (the full cross product is visited every 576 cases), batch 1..128, seq_len below
 and above B, hit rates 0..100%, padded rows, -1 padding, newest included or not, int32/int64
 seq_lens and req_pool_indices, plan recording + copy-only replay, skip-IO, copier CTAs automatic /
-none (planners copy) / few, CUDA-graph capture and replay.
+none (planners copy) / few, mixed batches of resident and hot-buffer requests (residency tables
+passed in about a third of the random cases, uint8 or bool flags, strided req_to_token),
+CUDA-graph capture and replay (with residency flags flipped between replays).
 
 Every case poisons all outputs, runs kernel and oracle on identical copies, and compares out,
 slot tokens (both layers), LRU (both layers), device KV bytes, plan and counters; the workspace
@@ -143,7 +145,7 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
     start = time.time()
     done = failures = requests = 0
     reports: list[str] = []
-    stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0}
+    stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0, "residency": 0}
     error = None
     try:
         for c in range(n_cases):
@@ -161,6 +163,7 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
             stats["padded"] += spec.num_real < spec.num_reqs
             stats["self_copy"] += spec.num_copiers == 0
             stats["copiers"] += spec.num_copiers is None or spec.num_copiers > 0
+            stats["residency"] += spec.residency
             if bad:
                 failures += 1
                 if len(reports) < 5:
@@ -186,15 +189,75 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
     assert done >= n_cases, f"only {done} of {n_cases} cases ran in the {budget:.0f}s budget"
 
 
+@pytest.mark.parametrize("resident_dtype", [torch.uint8, torch.bool])
 @pytest.mark.parametrize("num_copiers", [None, 0])
-def test_cuda_graph_capture_and_replay(built, env, num_copiers):
+def test_mixed_resident_batches(built, env, num_copiers, resident_dtype):
+    """Batches mixing resident requests (short and long) with hot-buffer ones, every output
+    poisoned first: resident rows read logical_to_device[req_to_token[r, q]] and leave their
+    tables, plan rows and counters alone; the others resolve as without residency."""
+    pool, kernel_buf, ref_buf, ws = env
+    rng = random.Random(41)
+    resident_rows = 0
+    for seed in range(40):
+        k, b = rng.choice(CONFIGS)
+        n = rng.choice([1, 2, 5, 16, 64])
+        n_real = n - rng.choice([0, 0, 1]) if n > 1 else n  # at times one padded CUDA-graph row
+        spec = CaseSpec(item_bytes=rng.choice(ITEMS), B=b, top_k=k, num_reqs=n, num_real=n_real, max_reqs=n + 3,
+                        seed=5000 + seed, short_frac=0.3, plan=rng.random() < 0.7,
+                        skip_io=rng.random() < 0.2, counters=True, block_size=rng.choice(BLOCKS),
+                        num_copiers=num_copiers, residency=True, resident_prob=rng.choice([0.3, 0.5, 1.0]),
+                        resident_dtype=resident_dtype, rtt_row_pad=rng.choice([0, 5]))
+        case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
+        r = case.inputs["req_pool_indices"][: spec.num_real].long()
+        resident_rows += int((case.inputs["resident"][r] != 0).sum())
+        bad = _run_case(case, ws, rng)
+        assert not bad, f"seed {seed}: {bad}\n  {spec.describe()}\n" + "\n".join(
+            describe_difference(case, x) for x in bad if " " not in x)
+    assert resident_rows >= 100
+
+
+def test_resident_precondition_violations_are_counted(built, env):
+    """A resident request selecting a position >= seq_len, or one whose logical id is outside
+    logical_to_device, gets -1 there and one error each; its other entries are still resolved."""
+    pool, kernel_buf, ref_buf, ws = env
+    spec = CaseSpec(item_bytes=656, B=128, top_k=64, num_reqs=2, num_real=2, max_reqs=3, seed=9, short_frac=0.0,
+                    pad_prob=0.0, plan=True, counters=True, block_size=128, residency=True, resident_prob=1.0)
+    case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
+    kw = case.kernel_kwargs()
+    topk = kw["top_k_positions"].clone()
+    L0 = int(kw["seq_lens"][0])
+    topk[0, 0] = L0  # beyond seq_len
+    j = int((topk[1] >= 0).nonzero()[0])
+    r1 = int(kw["req_pool_indices"][1])
+    rtt = kw["req_to_token"].clone()
+    rtt[r1, int(topk[1, j])] = kw["logical_to_device"].numel()  # logical id out of range
+    kw.update(top_k_positions=topk, req_to_token=rtt)
+    rcuda.resolve_cuda(**kw, workspace=ws, block_size=128, num_copiers=0)
+    out = kw["out"]
+    errors = int(ws.errors.item())
+    ws.state.zero_()
+    assert errors == 2
+    assert int(out[0, 0]) == -1 and int(out[1, j]) == -1
+    ids = rtt[kw["req_pool_indices"][:2].long()].gather(1, topk[:2].long().clamp(0, rtt.shape[1] - 1)).long()
+    ok = (topk[:2] >= 0) & (topk[:2] < kw["seq_lens"][:2, None]) & (ids < kw["logical_to_device"].numel())
+    want = torch.where(ok, kw["logical_to_device"][ids.clamp(max=kw["logical_to_device"].numel() - 1)], -1)
+    assert torch.equal(out[:2].long(), want)
+    assert kw["plan"].counts[:2].tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("residency", [False, True])
+@pytest.mark.parametrize("num_copiers", [None, 0])
+def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency):
     """Capture one launch per batch size, replay it with fresh states and varying num_real_reqs
-    (back to back, no host sync between replays): every replay must match the oracle."""
+    (back to back, no host sync between replays): every replay must match the oracle. With
+    residency, the flags and tables are rewritten in place between replays (as a server flips a
+    request to resident without recapturing)."""
     pool, kernel_buf, ref_buf, ws = env
     rng = random.Random(7 + (num_copiers or 0))
     base = dict(item_bytes=1152, B=4096, top_k=2048, num_reqs=16, num_real=16, max_reqs=20, hit_mode="fixed",
                 hit_rate=0.87, plan=True, counters=True, block_size=960, num_copiers=num_copiers,
-                hot_extra_cols=7, out_extra_rows=1, seq_dtype=torch.int64, rpi_dtype=torch.int32)
+                hot_extra_cols=7, out_extra_rows=1, seq_dtype=torch.int64, rpi_dtype=torch.int32,
+                residency=residency, resident_prob=0.4, rtt_row_pad=5)
     first = make_case(CaseSpec(seed=1, **base), pool, kernel_buf, ref_buf, DEVICE)
     static = first.kernel_kwargs()
     kw = dict(static, workspace=ws, block_size=960, num_copiers=num_copiers)
@@ -210,6 +273,7 @@ def test_cuda_graph_capture_and_replay(built, env, num_copiers):
     torch.cuda.synchronize()
 
     mutable = ("top_k_positions", "seq_lens", "req_pool_indices", "hot_locs", "host_locs", "out")
+    mutable += ("resident", "req_to_token", "logical_to_device") if residency else ()
     for it in range(12):
         n_real = rng.choice([16, 16, 9, 1, 0])
         case = make_case(CaseSpec(seed=100 + it, **dict(base, num_real=n_real)), pool, kernel_buf, ref_buf, DEVICE)
