@@ -20,12 +20,14 @@ CHECKED_AGAINST = "0.5.17"
 
 
 def gauges_of(coordinator: HiSparseCoordinator) -> Gauges:
-    host = coordinator.mem_pool_host
+    host, residency = coordinator.mem_pool_host, coordinator.residency
     return Gauges(
         staging_requests=coordinator.mirror.staged_count(),
         host_rows_used=host.capacity_tokens - host.available_size(),
         host_rows_capacity=host.capacity_tokens,
         hot_buffers_in_use=sum(1 for held in coordinator.hot.capacity if held),
+        resident_requests=residency.count() if residency is not None else 0,
+        demotions_total=residency.demotions_total if residency is not None else 0,
     )
 
 

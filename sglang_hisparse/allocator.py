@@ -73,6 +73,8 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self.hot_buffer_slots = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
+        self._reclaim: Callable[[int], None] = lambda rows: None
+        self._reclaimable: Callable[[], int] = lambda: 0
         kvcache.attach_mapping(self.logical_to_device)
 
     # --- configuration by the coordinator ----------------------------------------------------
@@ -80,6 +82,18 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         """Set the hot-buffer size every decoding request holds and the host pool's capacity."""
         self.hot_buffer_slots = hot_buffer_slots
         self.host_capacity = host_capacity_tokens
+
+    def set_reclaimer(self, reclaim: Callable[[int], None], reclaimable: Callable[[], int]) -> None:
+        """Residency: ``reclaimable()`` device rows can be freed on demand by demoting resident
+        requests, and ``reclaim(rows)`` does so until ``rows`` are free (or nothing is left).
+        Admission counts them as room; a prefill that needs them reclaims them first."""
+        self._reclaim, self._reclaimable = reclaim, reclaimable
+
+    def _device_room_for(self, rows: int) -> bool:
+        """Whether ``rows`` device rows are free, demoting resident requests if needed."""
+        if rows > self.rows.room():
+            self._reclaim(rows)
+        return rows <= self.rows.room()
 
     # --- SGLang's allocator protocol ---------------------------------------------------------
     @property
@@ -95,7 +109,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
     def hisparse_attn_allocator(self) -> Budget:
         """PD decode admission (hot buffers): device rows net of the growth reservations; SGLang
         divides it by ``padded_buffer_size``, one full hot buffer per request it admits."""
-        return Budget(self.rows.room)
+        return Budget(lambda: self.rows.room() + self._reclaimable())
 
     def debug_print(self) -> str:
         return (
@@ -114,8 +128,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         return max(0, min(logical_free, host_room))
 
     def device_admission_room(self) -> int:
-        """Device rows a new request may take for its prefill, keeping a full hot buffer free."""
-        return self.rows.room() - self.hot_buffer_slots
+        """Device rows a new request may take for its prefill, keeping a full hot buffer free
+        (rows that demoting resident requests would free count as room)."""
+        return self.rows.room() + self._reclaimable() - self.hot_buffer_slots
 
     def available_size(self) -> int:
         logical_free = self.logical.available_tokens()
@@ -143,7 +158,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         """Logical ids with device rows for ``need_size`` tokens (whole pages)."""
-        if need_size > self.logical.available_tokens() or need_size > self.rows.room():
+        if need_size > self.logical.available_tokens() or not self._device_room_for(need_size):
             return None
         logical = self.logical.alloc_tokens(need_size)
         rows = self.rows.pages.alloc_tokens(need_size)
@@ -163,7 +178,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         pages = self.logical.pages_needed(prefix_lens_cpu.tolist(), seq_lens_cpu.tolist())
         if pages > self.logical.available_pages():
             return None
-        if pages * self.page_size > self.rows.room():
+        if not self._device_room_for(pages * self.page_size):
             return None
         logical = self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
         rows = self.rows.pages.extend(prefix_lens_cpu, seq_lens_cpu, self.logical_to_device[last_loc])
@@ -218,6 +233,14 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         rows = self.rows.take_hot_buffer(page_starts, keep_tokens, self.hot_buffer_slots)
         if rows is not None:
             self.logical_to_device[logical_ids] = 0
+        return rows
+
+    def keep_pages_as_hot_buffer(self, logical_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """A resident request's demotion: of its positions ``logical_ids`` (0..n-1, all mapped),
+        the pages with indices ``keep`` become hot-buffer rows (returned in that order), the
+        others are freed, and the mapping of every position is cleared."""
+        rows = self.rows.keep_pages(self.logical_to_device[logical_ids[:: self.page_size]], keep)
+        self.logical_to_device[logical_ids] = 0
         return rows
 
     def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:

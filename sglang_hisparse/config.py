@@ -64,6 +64,14 @@ class HiSparseConfig:
     as it would without HiSparse. With ``--disable-overlap-schedule`` the decode batches are
     then the same as a server without HiSparse (bit-exact comparisons with eager decode).
     Cost: the scheduler waits for the staging copy at each prefill-to-decode transition."""
+    residency: bool = False
+    """Pressure-driven residency (docs/design.md, "Residency"): a request entering decode keeps
+    its whole KV on the device while the pool has room, and is demoted to a hot buffer only
+    when rows run short. Off by default until measured on the GPU (docs/performance.md)."""
+    residency_watermark: float = 0.05
+    """Fraction of the device pool's rows that residency keeps free: a request stays resident
+    at admission only if that many rows remain, and decode steps demote resident requests when
+    free rows fall below it. A number in [0, 0.5]."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -202,7 +210,16 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> H
         skip_io=_require_bool(raw, "skip_io", False),
         stats_log_interval=_stats_interval(raw),
         wait_for_staging=_require_bool(raw, "wait_for_staging", False),
+        residency=_require_bool(raw, "residency", False),
+        residency_watermark=_watermark(raw),
     )
+
+
+def _watermark(raw: Mapping[str, Any]) -> float:
+    value = raw.get("residency_watermark", 0.05)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.5:
+        raise _fail("residency_watermark", value, "must be a number in [0, 0.5] (fraction of the device pool kept free)")
+    return float(value)
 
 
 def _stats_interval(raw: Mapping[str, Any]) -> int:

@@ -30,6 +30,8 @@ from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
 from sglang_hisparse.hot_buffers import HotBuffers
+from sglang_hisparse.pressure import ResidentDecode
+from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
 from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, token_stats
 
@@ -84,11 +86,24 @@ class HiSparseCoordinator:
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval, row_bytes=self.device_pool.row_bytes,
                                   free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool))
+        self.residency: Optional[Residency] = None
+        self._resident_decode: Optional[ResidentDecode] = None
+        self._rows_now = self.hot.rows_of_positions
+        if self.config.residency:
+            self._enable_residency(max_reqs, device)
         self._resolve = make_resolver(self.config, device, max_reqs, top_k)
         self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         self._waiting_since: Optional[str] = None
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
                     top_k, self.device_pool.layer_num, self._resolve.name, capacity_line(self.capacity))
+
+    def _enable_residency(self, max_reqs: int, device: torch.device) -> None:
+        self._resident_decode = ResidentDecode.build(
+            self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
+            req_to_token=self.req_to_token_pool.req_to_token, selections=self.top_k_device_locs_buffer,
+            quiesce=self._wait_for_producer)
+        self.residency = self.stats.residency = self._resident_decode.residency
+        self._rows_now = self._resident_decode.rows_now
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
@@ -128,7 +143,7 @@ class HiSparseCoordinator:
         copied = self.mirror.copied_prefix(block=self.config.wait_for_staging)
         ready = []
         for req in copied[: self._agreed(len(copied))]:
-            if self.hot.open(req.req_pool_idx, self._logical_ids(req, req.kv.kv_allocated_len), filled=True) is None:
+            if not self._enter_decode(req):
                 self._log_waiting(req)
                 break
             self.mirror.pop_staged()
@@ -137,18 +152,38 @@ class HiSparseCoordinator:
             self._waiting_since = None
         return ready
 
-    def admit_request_direct(self, req) -> None:
-        """PD decode: the request's KV is already in its host rows; give it a hot buffer (short
-        requests are loaded from host, long ones start empty and miss on first use)."""
+    def _enter_decode(self, req) -> bool:
+        """A staged request whose host copy is done keeps its prefill rows resident (residency
+        on and room above the watermark) or moves into a hot buffer, demoting resident requests
+        if that is what it takes. False, nothing changed, when neither fits yet."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
-        rows = self.hot.open(idx, self._logical_ids(req, n), filled=n <= self.hot.buffer_size)
+        if self.residency is not None and self.residency.admit(idx, n):
+            return True
+        logical = self._logical_ids(req, n)
+        if self.hot.open(idx, logical, filled=True) is not None:
+            return True
+        if self._resident_decode is None:
+            return False
+        self._resident_decode.reclaim(self.hot.padded)
+        return self.hot.open(idx, logical, filled=True) is not None
+
+    def admit_request_direct(self, req) -> None:
+        """PD decode: the request's KV is already in its host rows. With residency and room, it
+        is loaded into rows of its own; otherwise it gets a hot buffer (short requests are loaded
+        from host, long ones start empty and miss on first use)."""
+        idx, n = req.req_pool_idx, req.kv.kv_allocated_len
+        logical = self._logical_ids(req, n)
+        rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
         if rows is None:
-            raise HiSparsePluginError(
-                f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
-                f"({self.allocator.debug_print()}); the PD admission budget should prevent this"
-            )
-        if n <= self.hot.buffer_size:
-            self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows[:n])
+            rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size)
+            if rows is None:
+                raise HiSparsePluginError(
+                    f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
+                    f"({self.allocator.debug_print()}); the PD admission budget should prevent this"
+                )
+            rows = rows[:n] if n <= self.hot.buffer_size else None
+        if rows is not None:
+            self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows)
         self.mirror.mark_complete(idx, n)
         self.stats.note_activity()
 
@@ -158,9 +193,13 @@ class HiSparseCoordinator:
         through to host, grow short buffers, and map the new token's logical id to its newest slot."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self.stats.note_decode_step(len(lens))
-        self.mirror.write_through(idxs, lens, self.hot.rows_of_positions)
-        self.hot.grow(idxs, lens)
-        self.allocator.map_logical(out_cache_loc, self.hot.rows_of_positions(req_pool_indices, seq_lens - 1))
+        self.mirror.write_through(idxs, lens, self._rows_now)
+        if self._resident_decode is not None:
+            rows = self._resident_decode.newest_rows(idxs, lens, req_pool_indices, seq_lens)
+        else:
+            self.hot.grow(idxs, lens)
+            rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
+        self.allocator.map_logical(out_cache_loc, rows)
 
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last write-through (it overwrites the newest slot)."""
@@ -177,6 +216,7 @@ class HiSparseCoordinator:
             host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id],
             out=out, num_real_reqs=self.num_real_reqs, device_buffer_size=self.hot.buffer_size,
             skip_io=self.config.skip_io, counters=self.stats.counters,
+            **(self._resident_decode.resolver_tables if self._resident_decode is not None else {}),
         )
         return out
 
@@ -190,10 +230,11 @@ class HiSparseCoordinator:
         if self.mirror.is_staged(req):
             self._leave_staging(req)
             return
-        if self._producer_stream is not None:  # the overlapped forward may still read its rows
-            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
+        self._wait_for_producer()  # the overlapped forward may still read its rows
         self.mirror.order_forward_after_write_through()
-        if req.kv is not None:
+        if self.residency is not None and self.residency.holds(idx):
+            self.residency.release(idx, self._logical_ids(req, self.residency.lengths[idx]))
+        elif req.kv is not None:
             self.allocator.unmap_logical(self._logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)
         self.mirror.forget(idx)
@@ -212,6 +253,11 @@ class HiSparseCoordinator:
     # --- helpers -----------------------------------------------------------------------------
     def _logical_ids(self, req, n: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+
+    def _wait_for_producer(self) -> None:
+        """Order the current stream after the overlapped forward in flight (if any)."""
+        if self._producer_stream is not None:
+            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
 
     def _agreed(self, count: int) -> int:
         """The smallest ``count`` over the ranks (all ranks must admit the same requests)."""

@@ -67,6 +67,28 @@ class DeviceRows:
         self.reserved += growth
         return rows
 
+    def reserve(self, n_tokens: int) -> None:
+        """Promise ``n_tokens`` free rows to a request (a resident request's guarantee)."""
+        assert 0 <= n_tokens <= self.room(), "reservation beyond the free rows"
+        self.reserved += n_tokens
+
+    def release_reservation(self, n_tokens: int) -> None:
+        """Give back ``n_tokens`` of a promise (used, or no longer needed)."""
+        assert 0 <= n_tokens <= self.reserved, "released more than was reserved"
+        self.reserved -= n_tokens
+
+    def keep_pages(self, page_starts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """A request's pages ``page_starts[keep]`` (its first device row per page, all on device)
+        become hot-buffer rows, in the order of ``keep``; its other pages are freed. Returns the
+        kept rows, page by page."""
+        p = self.page_size
+        dropped = torch.ones(page_starts.numel(), dtype=torch.bool, device=page_starts.device)
+        dropped[keep] = False
+        self.pages.free_pages_(page_starts[dropped] // p)
+        rows = self.pages.page_rows(page_starts[keep] // p)
+        self.hot_owned[rows] = True
+        return rows
+
     def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
         """Rows for a short request's growth, from the reservation (never fails)."""
         assert n_tokens <= self.reserved, "growth beyond the reservation"

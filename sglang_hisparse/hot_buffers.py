@@ -65,6 +65,18 @@ class HotBuffers:
         self.recency[:, idx] = self._slot_numbers.to(torch.int16)
         return rows
 
+    def open_with_rows(self, idx: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Give request slot ``idx`` a full hot buffer of the given ``padded`` rows (a demoted
+        resident request's own pages): slot ``s`` is ``rows[s]`` and holds ``positions[s]``
+        (-1: none) in every layer; slots from ``B`` on are the newest-token page. Recency is the
+        slot order (the caller puts the rows most worth keeping last)."""
+        assert rows.numel() == self.padded == positions.numel()
+        self.slot_rows[idx] = rows.to(torch.int32)
+        self.capacity[idx] = self.padded
+        self.reserve[idx] = 0
+        self.slot_positions[:, idx] = positions[: self.buffer_size].to(torch.int32)
+        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+
     def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
         """Before a step: a request whose newest position ``seq_len - 1 <= B`` has no row yet gets
         the next page(s) from its reserve (never fails: the allocator set the rows aside)."""

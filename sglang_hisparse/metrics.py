@@ -9,6 +9,8 @@
 | `sglang_hisparse_staging_requests` | gauge | prefilled requests whose copy to host is queued or running |
 | `sglang_hisparse_host_rows_used` / `_host_rows_capacity` | gauge | host rows in use, and all of them |
 | `sglang_hisparse_hot_buffers_in_use` | gauge | requests holding a hot buffer |
+| `sglang_hisparse_resident_requests` | gauge | decoding requests whose whole KV is on the device (residency) |
+| `sglang_hisparse_demotions_total` | counter | resident requests moved into a hot buffer under memory pressure |
 
 Labels: ``model_name``, ``tp_rank`` (and ``dp_rank`` under DP attention), as SGLang's own scheduler
 series. The counters come from the resolver's device counters without stalling the host: each
@@ -33,6 +35,8 @@ class Gauges:
     host_rows_used: int
     host_rows_capacity: int
     hot_buffers_in_use: int
+    resident_requests: int = 0
+    demotions_total: int = 0
 
 
 class CounterReader:
@@ -77,13 +81,16 @@ class PrometheusExport:
         self.misses = counter("miss_rows_total", "Selected positions copied from host, all layers")
         self.copied = counter("copied_bytes_total", "Bytes copied host to device by the resolver")
         self.steps = counter("decode_steps_total", "Decode steps")
+        self.demotions = counter("demotions_total", "Resident requests moved into a hot buffer under memory pressure")
         self.gauges = {field: gauge(field, doc) for field, doc in (
             ("staging_requests", "Prefilled requests whose copy to host is queued or running"),
             ("host_rows_used", "Host rows in use"),
             ("host_rows_capacity", "Host rows"),
             ("hot_buffers_in_use", "Requests holding a hot buffer"),
+            ("resident_requests", "Decoding requests whose whole KV is on the device"),
         )}
         self._published = (0, 0, 0)
+        self._demotions = 0
 
     def publish(self, selected: int, misses: int, steps: int, gauges: Gauges) -> None:
         """Counters advance to the given totals (never backwards); gauges are set."""
@@ -96,5 +103,8 @@ class PrometheusExport:
         if steps > last_steps:
             self.steps.inc(steps - last_steps)
         self._published = (max(selected, last_selected), max(misses, last_misses), max(steps, last_steps))
+        if gauges.demotions_total > self._demotions:
+            self.demotions.inc(gauges.demotions_total - self._demotions)
+            self._demotions = gauges.demotions_total
         for field, gauge in self.gauges.items():
             gauge.set(getattr(gauges, field))

@@ -63,6 +63,8 @@ class ResolveStats:
         self._logged = (0, 0)
         self._busy = False
         self._export = None
+        self.residency = None
+        """The coordinator's :class:`~sglang_hisparse.residency.Residency` when residency is on."""
 
     def export_to(self, export, gauges: Callable[[], object], interval: int = 40) -> None:
         """Publish to ``export`` (a :class:`sglang_hisparse.metrics.PrometheusExport`) every
@@ -118,5 +120,8 @@ class ResolveStats:
             f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
             f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"
         )
+        if self.residency is not None:
+            line += (f" resident={self.residency.count()} admitted_resident={self.residency.admitted_total}"
+                     f" demotions={self.residency.demotions_total} promotions=0")
         (logger.error if leak else logger.info)(line)
         return line

@@ -71,6 +71,8 @@ class Rig:
         max_context: int = 1024,
         host_ratio: Optional[float] = None,
         wait_for_staging: bool = False,
+        residency: bool = False,
+        residency_watermark: float = 0.05,
     ):
         self.layers = layers
         self.top_k = top_k
@@ -88,6 +90,7 @@ class Rig:
         self.config = HiSparseConfig(
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
+            residency=residency, residency_watermark=residency_watermark,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,

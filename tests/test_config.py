@@ -44,6 +44,8 @@ def test_all_keys_round_trip():
         "skip_io": True,
         "stats_log_interval": 4,
         "wait_for_staging": True,
+        "residency": True,
+        "residency_watermark": 0.125,
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == raw
@@ -74,6 +76,9 @@ def test_config_is_frozen():
         ('{"resolver": "fast"}', 'invalid resolver="fast": must be one of auto, reference, cuda'),
         ('{"skip_io": 1}', "invalid skip_io=1: must be true or false"),
         ('{"wait_for_staging": "yes"}', 'invalid wait_for_staging="yes": must be true or false'),
+        ('{"residency": "on"}', 'invalid residency="on": must be true or false'),
+        ('{"residency_watermark": 0.75}', "invalid residency_watermark=0.75: must be a number in [0, 0.5]"),
+        ('{"residency_watermark": true}', "invalid residency_watermark=true: must be a number in [0, 0.5]"),
         ('{"stats_log_interval": -1}', "invalid stats_log_interval=-1: must be an integer >= 0 (0 = off)"),
     ],
 )

@@ -3,6 +3,7 @@
 * 8 concurrent requests (one batched /generate) with contexts longer than B: greedy outputs are
   identical to the server without HiSparse, and the resolver really missed (rows came from host).
 * Requests aborted mid-decode: afterwards every pool reports exactly its initial free count.
+* Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical.
 * A deliberately wrong resolver (test-only fault switch) changes the outputs: the comparison
   can fail.
 
@@ -109,6 +110,30 @@ def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(servers):
     assert not report["leak"], report
     for name, (now, initial) in report["counts"].items():
         assert now == initial, (name, now, initial)
+
+
+def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(tmp_path, baseline_outputs):
+    """Residency on, with a watermark (22% of the device pool) that every request clears at
+    admission but that decode growth crosses: all requests start resident, the longest are
+    demoted to hot buffers mid-decode, and the outputs stay identical to the server without
+    HiSparse."""
+    # 16384 device rows; the prompts take 12544 (whole pages), leaving 3840 >= the watermark of
+    # 3605; each request needs one new page within 64 steps, and the fourth page taken (step 24)
+    # would leave 3584 < 3605: the longest request (3000 tokens) is demoted then.
+    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "residency": true, "residency_watermark": 0.22}}'
+    server = start_server(hisparse_config=config, extra_args=COMMON, log_dir=tmp_path, name="hisparse_residency",
+                          max_total_tokens=16384)
+    try:
+        before = len(server.idle_reports())
+        outputs = [o["output_ids"] for o in server.generate(prompts(), NEW_TOKENS)]
+        report = wait_for_idle_report(server, after=before)
+    finally:
+        server.stop()
+    assert "device rows 16384 " in server.log(), "the watermark above assumes a 16384-row device pool"
+    assert outputs == baseline_outputs
+    assert report["admitted_resident"] == len(CONTEXTS) + 1 and report["demotions"] >= 1, report  # + warmup
+    assert report["resident"] == 0 and not report["leak"], report
+    assert report["misses"] > 0, "demoted requests miss and copy from host"
 
 
 def test_a_broken_resolver_is_detected(tmp_path, baseline_outputs):

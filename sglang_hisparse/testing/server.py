@@ -25,7 +25,8 @@ from typing import Any, Optional
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 CPU_STAND_IN = PACKAGE_DIR / "cpu" / "stand_in"
-IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)")
+IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)"
+                       r"(?:.*? resident=(\d+) admitted_resident=(\d+) demotions=(\d+))?")
 
 
 def free_port() -> int:
@@ -84,7 +85,9 @@ class Server:
                 now, initial = value.split("/")
                 counts[name] = (int(now), int(initial))
             reports.append({"counts": counts, "leak": m.group(2) == "yes",
-                            "selected": int(m.group(3)), "misses": int(m.group(4))})
+                            "selected": int(m.group(3)), "misses": int(m.group(4)),
+                            "resident": int(m.group(5) or 0), "admitted_resident": int(m.group(6) or 0),
+                            "demotions": int(m.group(7) or 0)})
         return reports
 
     def stop(self, grace: float = 20.0) -> None:

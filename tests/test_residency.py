@@ -1,0 +1,178 @@
+"""Pressure-driven residency on CPU with real SGLang objects (tests/rig.py): resident requests
+resolve to their own rows with no copy; under pressure (a prefill, a hot buffer, or resident growth
+that would cross the watermark) the longest resident requests are demoted to hot buffers and stay
+exact; every pool comes back when all requests are gone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rig import PAGE, Rig, Request
+from test_coordinator_lifecycle import select
+
+from sglang_hisparse.residency import ResidencyPolicy
+
+
+def decode(rig: Rig, reqs: list, rng: random.Random, steps: int, overlap: float = 0.6) -> None:
+    for _ in range(steps):
+        assert rig.decode_step(reqs)
+        for layer in range(rig.layers):
+            rig.resolve_and_check(reqs, layer, [select(rng, r, rig.top_k, overlap) for r in reqs])
+
+
+def own_rows(rig: Rig, req: Request) -> torch.Tensor:
+    logical = rig.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seq_len].to(torch.int64)
+    return rig.allocator.logical_to_device[logical]
+
+
+def test_a_resident_request_reads_its_own_rows_and_copies_nothing(gloo_world):
+    rig = Rig(gloo_world, residency=True)
+    rng = random.Random(3)
+    req = Request(uid=1, prompt_len=300)  # longer than B = 128: a hot buffer would miss
+    assert rig.prefill(req)
+    rig.stage(req)
+    assert rig.collect() == [req]
+    assert rig.coord.residency.holds(req.req_pool_idx) and not rig.coord.hot.holds(req.req_pool_idx)
+    decode(rig, [req], rng, steps=70)  # crosses a page boundary: new rows from the free pages
+    rows = own_rows(rig, req)
+    assert bool((rows > 0).all()) and rows.unique().numel() == req.seq_len
+    out = rig.coord.swap_in_selected_pages(torch.tensor([req.req_pool_idx]), torch.tensor([req.seq_len]),
+                                           torch.tensor([[5, req.seq_len - 1] + [-1] * (rig.top_k - 2)],
+                                                        dtype=torch.int32), 0)
+    assert out[0, :2].tolist() == [int(rows[5]), int(rows[-1])]
+    assert rig.coord.stats.totals() == (0, 0), "a resident request is not counted and never misses"
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+    assert rig.coord.residency.count() == 0 and rig.coord.residency.admitted_total == 1
+
+
+def test_a_prefill_under_pressure_demotes_the_longest_resident_request(gloo_world):
+    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0)
+    rng = random.Random(4)
+    long_req, short_req = Request(uid=1, prompt_len=700), Request(uid=2, prompt_len=400)
+    for r in (long_req, short_req):
+        assert rig.prefill(r)
+        rig.stage(r)
+    assert rig.collect() == [long_req, short_req]
+    assert rig.coord.residency.count() == 2
+    decode(rig, [long_req, short_req], rng, steps=3)
+    newcomer = Request(uid=3, prompt_len=500)  # 8 pages; 6 are free
+    assert rig.prefill(newcomer), "rows that demotion frees count as admission room"
+    residency = rig.coord.residency
+    assert not residency.holds(long_req.req_pool_idx) and rig.coord.hot.holds(long_req.req_pool_idx)
+    assert residency.holds(short_req.req_pool_idx) and residency.demotions_total == 1
+    rig.stage(newcomer)
+    rig.collect()
+    decode(rig, [long_req, short_req, newcomer], rng, steps=30)  # the demoted request now misses, exactly
+    selected, misses = rig.coord.stats.totals()
+    assert selected > 0 and misses > 0
+    for r in (long_req, short_req, newcomer):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_resident_growth_below_the_watermark_demotes_before_the_step(gloo_world):
+    # 16 pages, two requests of 5 pages, watermark 308 rows (0.3): the first step takes a 6th page
+    # for one (384 -> 320 free rows); the second would leave 256 < 308 for the other, so the
+    # longest resident request is demoted before it (192 of its 384 rows freed).
+    rig = Rig(gloo_world, device_rows=PAGE * 16, device_buffer_size=128, residency=True, residency_watermark=0.3)
+    rng = random.Random(5)
+    reqs = [Request(uid=1, prompt_len=5 * PAGE), Request(uid=2, prompt_len=5 * PAGE - 1)]
+    for r in reqs:
+        assert rig.prefill(r)
+        rig.stage(r)
+    rig.collect()
+    assert rig.coord.residency.count() == 2
+    decode(rig, reqs, rng, steps=3)
+    residency = rig.coord.residency
+    assert residency.demotions_total == 1 and residency.count() == 1
+    assert not residency.holds(reqs[0].req_pool_idx), "the longest request is demoted first"
+    assert rig.allocator.rows.room() >= residency.policy.watermark_rows
+    decode(rig, reqs, rng, steps=20)
+    for r in reqs:
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_a_demoted_request_keeps_the_pages_its_last_step_selected(gloo_world):
+    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0, top_k=32)
+    req = Request(uid=1, prompt_len=10 * PAGE)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    assert rig.decode_step([req])
+    favourite = list(range(2 * PAGE, 2 * PAGE + 31))  # page 2 only
+    for layer in range(rig.layers):
+        rig.resolve_and_check([req], layer, [favourite])
+    rows_before = own_rows(rig, req)
+    rig.coord._resident_decode.reclaim(rig.allocator.rows.room() + PAGE)  # pressure: demote
+    idx = req.req_pool_idx
+    assert rig.coord.hot.holds(idx)
+    slot_rows = rig.coord.hot.slot_rows[idx].to(torch.int64)
+    assert set(rows_before[2 * PAGE : 3 * PAGE].tolist()) <= set(slot_rows.tolist())
+    for layer in range(rig.layers):  # page 2 is held: selecting it again copies nothing
+        before = rig.coord.stats.totals()[1]
+        rig.resolve_and_check([req], layer, [favourite])
+        assert rig.coord.stats.totals()[1] == before
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+@pytest.mark.parametrize("prompt_len", [50, 300])
+def test_pd_direct_admission_loads_a_resident_request_from_host(gloo_world, prompt_len):
+    rig = Rig(gloo_world, residency=True)
+    rng = random.Random(6)
+    req = Request(uid=9, prompt_len=prompt_len)
+    assert rig.admit_direct(req)
+    assert rig.coord.residency.holds(req.req_pool_idx)
+    decode(rig, [req], rng, steps=20)
+    assert rig.coord.stats.totals() == (0, 0)
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages():
+    assert ResidencyPolicy.victims({1: 64, 2: 0, 3: 128}, {1: 500, 2: 900, 3: 700}) == [3, 1]
+    keep = ResidencyPolicy.pages_to_keep(torch.tensor([0.0, 5.0, 0.0, 2.0, 0.0]), 3)
+    assert keep.tolist() == [4, 3, 1], "best last; ties go to the newer page"
+    assert ResidencyPolicy(watermark_rows=10).admits(10) and not ResidencyPolicy(watermark_rows=10).admits(9)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
+def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, seed, overlap, watermark):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark)
+    rng = random.Random(seed)
+    waiting = [Request(uid=1000 + i, prompt_len=rng.choice([10, 64, 100, 129, 200, 350, 600])) for i in range(10)]
+    live: list[Request] = []
+    for _ in range(60):
+        action = rng.random()
+        if waiting and action < 0.25:
+            req = waiting[0]
+            if rig.prefill(req):
+                waiting.pop(0)
+                live.append(req)
+                rig.stage(req)
+        elif action < 0.35:
+            rig.collect()
+        elif action < 0.45 and live:
+            victim = rng.choice(live)
+            live.remove(victim)
+            rig.release(victim, retract=rng.random() < 0.5)
+        else:
+            decoding = [r for r in live if r.state == "decoding"]
+            if decoding and rig.decode_step(decoding):
+                for layer in range(rig.layers):
+                    rig.resolve_and_check(decoding, layer, [select(rng, r, rig.top_k, overlap) for r in decoding])
+                for r in list(decoding):
+                    if r.seq_len > 700:
+                        live.remove(r)
+                        rig.release(r)
+    for r in live:
+        rig.release(r, retract=rng.random() < 0.5)
+    assert rig.counts() == rig.initial_counts
