@@ -126,12 +126,14 @@ class HostMirror:
         write-through lane after the current and producer streams.
         """
         reqs, positions = [], []
+        page = self.pool.page_size
         for idx, seq_len in zip(req_pool_idxs, seq_lens):
             end = seq_len - 1
             start = self.mirrored_len[idx]
             if start >= end:
                 continue
-            self.pool.grow_request_rows(self.row_table, self.rows_allocated, idx, end)
+            if end > -(-start // page) * page:  # rows of [0, start) are whole pages: only then can it grow
+                self.pool.grow_request_rows(self.row_table, self.rows_allocated, idx, end)
             reqs += [idx] * (end - start)
             positions += range(start, end)
             self.mirrored_len[idx] = end

@@ -103,12 +103,11 @@ class Residency:
 
     def rows_needed(self, idxs: list[int], seq_lens: list[int]) -> int:
         """Device rows (beyond guarantees) the resident requests among ``idxs`` take when their
-        newest position ``seq_len - 1`` gets a row."""
-        need = 0
+        newest position ``seq_len - 1`` gets a row: a page where that position starts one."""
+        p, need = self.page_size, 0
         for idx, seq_len in zip(idxs, seq_lens):
-            if idx in self.lengths:
-                extra = self._rows(seq_len) - self._rows(self.lengths[idx])
-                need += max(0, extra - self._guarantee[idx])
+            if (seq_len - 1) % p == 0 and idx in self.lengths:
+                need += max(0, p - self._guarantee[idx])
         return need
 
     # --- into residency ----------------------------------------------------------------------
