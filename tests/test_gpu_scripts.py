@@ -74,6 +74,12 @@ def test_e2e_config_syntax():
 
     assert e2e.parse_config("ours:4096:F18:arrival", "arrival") == ("ours", 4096, "F18", "arrival")
     assert e2e.parse_config("upstream:2048:0", "lockstep") == ("upstream", 2048, "0", "lockstep")
+    assert e2e.parse_config("ours_resident:4096:1", "arrival") == ("ours_resident", 4096, "1", "arrival")
+    resident = json.loads(e2e.hisparse_config("ours_resident", 4096, 8))
+    assert resident["residency"] is True and resident["residency_watermark"] == e2e.RESIDENCY_WATERMARK
+    assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
+    with pytest.raises(ValueError, match="ours_resident"):
+        e2e.parse_config("mine:4096:1", "arrival")
     assert e2e.parse_graph("1") == (True, None) and e2e.parse_graph("0") == (False, None)
     assert e2e.parse_graph("F24") == (True, 24)
     fixed = e2e.flags(True, 524288, 18, graph_bs=18)

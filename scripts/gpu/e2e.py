@@ -79,16 +79,23 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
+OURS = ("ours", "ours_noio", "ours_resident")
+"""Our implementations: the plugin, its no-IO oracle, the plugin with residency on."""
+RESIDENCY_WATERMARK = 0.05
+
+
 def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
                     wait_for_staging: bool = False) -> str | None:
     """The ``--hisparse-config`` of an implementation (None: no HiSparse). ``wait_for_staging`` is
     ours only: SGLang's own HiSparse has no such key."""
-    if impl in ("ours", "ours_noio"):
+    if impl in OURS:
         config = {"device_buffer_size": buffer, "host_to_device_ratio": ratio, "stats_log_interval": stats_interval}
         if wait_for_staging:
             config["wait_for_staging"] = True
         if impl == "ours_noio":  # the no-IO oracle: everything as ours but no host->device copy
             config["skip_io"] = True
+        if impl == "ours_resident":  # pressure-driven residency (docs/design.md, "Residency")
+            config.update(residency=True, residency_watermark=RESIDENCY_WATERMARK)
         return json.dumps(config)
     if impl == "upstream":
         return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
@@ -207,7 +214,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix, overlap=not args.no_overlap,
-                    wait_for_staging=args.wait_for_staging and impl == "ours", model=args.model)
+                    wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -215,17 +222,18 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
         t = time.time()
         outputs = (lockstep_workload if workload == "lockstep" else exactness_workload)(server, args.new_tokens)
         print(f"[e2e] {tag}: workload {time.time() - t:.0f}s", flush=True)
-        report = wait_for_idle_report(server, after=before) if impl == "ours" else None
+        report = wait_for_idle_report(server, after=before) if impl in OURS else None
         return outputs, report, decode_trace(parse_batches(server.log()))
     finally:
         server.stop()
 
 
 def parse_config(text: str, default_workload: str) -> tuple[str, int, str, str]:
-    """``impl:B:graph[:workload]``: impl none|ours|upstream, graph 0|1|F<n>, workload arrival|lockstep."""
+    """``impl:B:graph[:workload]``: impl none|ours|ours_resident|upstream, graph 0|1|F<n>, workload
+    arrival|lockstep."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("none", "ours", "upstream") or not parts[1].isdigit():
-        raise ValueError(f"config must be impl:B:graph[:workload] (impl none|ours|upstream), got {text!r}")
+    if len(parts) not in (3, 4) or parts[0] not in ("none", "ours", "ours_resident", "upstream") or not parts[1].isdigit():
+        raise ValueError(f"config must be impl:B:graph[:workload] (impl none|ours|ours_resident|upstream), got {text!r}")
     parse_graph(parts[2])
     workload = parts[3] if len(parts) == 4 else default_workload
     if workload not in ("arrival", "lockstep"):
@@ -255,7 +263,7 @@ def exactness(args) -> dict:
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
             row = {**head, "lockstep": workload == "lockstep", "model": args.model, "overlap_schedule": not args.no_overlap,
-                   "wait_for_staging": args.wait_for_staging and impl == "ours", "sequences": len(names),
+                   "wait_for_staging": args.wait_for_staging and impl in OURS, "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
                    "decode_trace": trace, "baseline_decode_trace": traces[key],
