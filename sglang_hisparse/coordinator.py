@@ -250,6 +250,11 @@ class HiSparseCoordinator:
         self.mirror.forget(req.req_pool_idx)
         self.stats.note_activity()
 
+    def device_rows_now(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Device rows (int64) holding ``positions`` of decoding requests now (a resident
+        request's own rows, else its newest or fast-path hot-buffer slot)."""
+        return self._rows_now(req_pool_idx, positions)
+
     # --- helpers -----------------------------------------------------------------------------
     def _logical_ids(self, req, n: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)

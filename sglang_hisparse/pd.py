@@ -18,7 +18,7 @@ def offload_request(coordinator: Any, req: Any) -> torch.Tensor:
     (``[layers, positions, 1, row]``): the last decoded token is written through first, then
     everything the request holds in the coordinator is freed (``request_finished``)."""
     n = req.seqlen - 1
-    coordinator.mirror.write_through([req.req_pool_idx], [n + 1], coordinator.hot.rows_of_positions)
+    coordinator.mirror.write_through([req.req_pool_idx], [n + 1], coordinator.device_rows_now)
     snapshot = coordinator.mirror.snapshot(req.req_pool_idx, n)
     coordinator.request_finished(req)
     return snapshot

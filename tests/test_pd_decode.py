@@ -32,19 +32,21 @@ def test_pd_budgets_are_net_of_host_rows_and_growth_reservations(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
+@pytest.mark.parametrize("residency", [False, True])
 @pytest.mark.parametrize("prompt_len, steps_before", [(300, 20), (60, 30), (60, 100)])
-def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len, steps_before):
+def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len, steps_before, residency):
     """Offload (the last token written through, positions 0..seqlen-2 copied out, every row
     freed), SGLang's release and re-preallocation (new slot, logical ids and host rows), restore:
     every later selection still resolves to the true KV. Covers a long request, a short one still
-    on the fast path and a short one that grew past B."""
-    rig = Rig(gloo_world)
+    on the fast path and a short one that grew past B; with residency, a resident request."""
+    rig = Rig(gloo_world, residency=residency)
     rng = random.Random(prompt_len + steps_before)
     req = Request(uid=7, prompt_len=prompt_len)
     assert rig.admit_direct(req)
     for _ in range(steps_before):
         assert rig.decode_step([req])
         rig.resolve_and_check([req], rng.randrange(rig.layers), [select(rng, req, rig.top_k, 0.6)])
+    assert rig.coord.hot.holds(req.req_pool_idx) != residency
     snapshot = offload_request(rig.coord, req)
     assert snapshot.shape[:2] == (rig.layers, req.seq_len)
     req.state = "gone-coordinator"

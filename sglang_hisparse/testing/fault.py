@@ -26,7 +26,7 @@ def point_first_selection_at_newest(result: Any, coordinator: Any, req_pool_indi
     """AFTER body: overwrite each request's first resolved row with its newest token's row."""
     import torch
 
-    newest = coordinator.hot.rows_of_positions(req_pool_indices, seq_lens - 1).to(result.dtype)
+    newest = coordinator.device_rows_now(req_pool_indices, seq_lens - 1).to(result.dtype)
     result[:, 0] = torch.where(result[:, 0] >= 0, newest, result[:, 0])
     return result
 
