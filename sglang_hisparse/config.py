@@ -64,6 +64,11 @@ class HiSparseConfig:
     as it would without HiSparse. With ``--disable-overlap-schedule`` the decode batches are
     then the same as a server without HiSparse (bit-exact comparisons with eager decode).
     Cost: the scheduler waits for the staging copy at each prefill-to-decode transition."""
+    indexshare_prefetch: bool = True
+    """IndexShare models (layers reusing an earlier layer's top-k): resolve only the source layer
+    and copy its misses into the following layers on a side stream, overlapped with the source
+    layer's attention and MLP (docs/design.md, "IndexShare prefetch"). No effect on other models;
+    false resolves every layer on its own (for A/B)."""
     residency: bool = False
     """Pressure-driven residency (docs/design.md, "Residency"): a request entering decode keeps
     its whole KV on the device while the pool has room, and is demoted to a hot buffer only
@@ -210,6 +215,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> H
         skip_io=_require_bool(raw, "skip_io", False),
         stats_log_interval=_stats_interval(raw),
         wait_for_staging=_require_bool(raw, "wait_for_staging", False),
+        indexshare_prefetch=_require_bool(raw, "indexshare_prefetch", True),
         residency=_require_bool(raw, "residency", False),
         residency_watermark=_watermark(raw),
     )

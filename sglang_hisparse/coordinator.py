@@ -30,6 +30,7 @@ from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
 from sglang_hisparse.hot_buffers import HotBuffers
+from sglang_hisparse.prefetch import IndexSharePrefetch, model_topk_sources
 from sglang_hisparse.pressure import ResidentDecode
 from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
@@ -39,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 class HiSparseCoordinator:
-    """Constructor arguments are SGLang's; ``config`` (keyword) is ours: without it the typed
-    config is read from SGLang's published server arguments and must agree with them."""
+    """Constructor arguments are SGLang's; the keywords are ours: without ``config`` the typed
+    config is read from SGLang's published server arguments and must agree with them, and the
+    layers' top-k sources (IndexShare) are the served model's; with it, ``topk_sources`` (per
+    layer, the layer whose top-k it reuses; default: every layer its own)."""
 
     def __init__(
         self,
@@ -56,8 +59,12 @@ class HiSparseCoordinator:
         config: Optional[HiSparseConfig] = None,
         pin_memory: Optional[bool] = None,
         host_to_device_ratio_override: Optional[float] = None,
+        topk_sources: Optional[list[int]] = None,
     ):
-        self.config = config or published_config((top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size))
+        if config is None:
+            config = published_config((top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size))
+            topk_sources = model_topk_sources(token_to_kv_pool_allocator.get_kvcache().layer_num)
+        self.config = config
         device = torch.device(device)
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
@@ -92,6 +99,13 @@ class HiSparseCoordinator:
         if self.config.residency:
             self._enable_residency(max_reqs, device)
         self._resolve = make_resolver(self.config, device, max_reqs, top_k)
+        self._prefetch: Optional[IndexSharePrefetch] = None
+        if self.config.indexshare_prefetch and topk_sources is not None:
+            prefetch = IndexSharePrefetch(topk_sources, max_reqs=max_reqs, top_k=top_k, device=device,
+                                          replay=self._replay_onto)
+            self._prefetch = prefetch if prefetch.active() else None
+            if self._prefetch is not None:
+                logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
         self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         self._waiting_since: Optional[str] = None
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
@@ -207,18 +221,32 @@ class HiSparseCoordinator:
 
     def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
         """Resolve one layer's selection to device rows (int32 [num_reqs, top_k]). Graph safe:
-        reads ``num_real_reqs`` on device and writes the preallocated output buffer."""
+        reads ``num_real_reqs`` on device and writes the preallocated output buffer. With IndexShare
+        prefetch, a follower layer returns its source's rows once its copies are done."""
         out = self.top_k_device_locs_buffer[: req_pool_indices.shape[0]]
+        prefetch = self._prefetch
+        if prefetch is not None and prefetch.is_follower(layer_id):
+            prefetch.join()
+            return out
+        plan = prefetch.plan_for(layer_id) if prefetch is not None else None
+        if plan is not None:
+            prefetch.before_source(self.stats.counters)
         self._resolve(
             top_k_positions=top_k_result, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
             hot_locs=self.hot.slot_rows, slot_tokens=self.hot.slot_positions[layer_id],
             lru=self.hot.recency[layer_id], host_locs=self.mirror.row_table,
             host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id],
             out=out, num_real_reqs=self.num_real_reqs, device_buffer_size=self.hot.buffer_size,
-            skip_io=self.config.skip_io, counters=self.stats.counters,
+            skip_io=self.config.skip_io, counters=self.stats.counters, plan=plan,
             **(self._resident_decode.resolver_tables if self._resident_decode is not None else {}),
         )
+        if plan is not None:
+            prefetch.after_source(layer_id, self.stats.counters, copy=not self.config.skip_io)
         return out
+
+    def _replay_onto(self, plan, layer_id: int) -> None:
+        self._resolve.replay(plan=plan, num_real_reqs=self.num_real_reqs,
+                             host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id])
 
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:

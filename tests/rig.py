@@ -73,6 +73,8 @@ class Rig:
         wait_for_staging: bool = False,
         residency: bool = False,
         residency_watermark: float = 0.05,
+        topk_sources: Optional[list] = None,
+        indexshare_prefetch: bool = True,
     ):
         self.layers = layers
         self.top_k = top_k
@@ -90,11 +92,12 @@ class Rig:
         self.config = HiSparseConfig(
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
-            residency=residency, residency_watermark=residency_watermark,
+            residency=residency, residency_watermark=residency_watermark, indexshare_prefetch=indexshare_prefetch,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,
             ratio, 256, config=self.config, pin_memory=False, host_to_device_ratio_override=host_ratio,
+            topk_sources=topk_sources,
         )
         self.initial_counts = self.counts()
 

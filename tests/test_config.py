@@ -44,6 +44,7 @@ def test_all_keys_round_trip():
         "skip_io": True,
         "stats_log_interval": 4,
         "wait_for_staging": True,
+        "indexshare_prefetch": False,
         "residency": True,
         "residency_watermark": 0.125,
     }

@@ -1,6 +1,6 @@
 """IndexShare (GLM-5.2 style, ``index_topk_freq`` 2): a shared layer reuses the previous layer's
-top-k. Our HiSparse resolves every layer on its own, so outputs must still be identical to the
-server without HiSparse (the prefetch issue builds on this model)."""
+top-k. With IndexShare prefetch (default) the shared layer does not resolve: the source layer's
+copies are replayed onto it. Outputs must be identical to the server without HiSparse."""
 
 from __future__ import annotations
 
@@ -34,3 +34,4 @@ def test_indexshare_model_outputs_identical(tmp_path):
         for s in servers:
             s.stop()
     assert outputs["hisparse"] == outputs["baseline"]
+    assert "IndexShare prefetch on: source layer -> followers {1: [2]}" in servers[1].log()

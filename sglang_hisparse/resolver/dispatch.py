@@ -113,13 +113,18 @@ class Resolver:
     ``reference.resolve_reference``).
     """
 
-    def __init__(self, name: str, fn, warmup):
+    def __init__(self, name: str, fn, warmup, replay):
         self.name = name
         self._fn = fn
         self._warmup = warmup
+        self._replay = replay
 
     def __call__(self, **kwargs: Any) -> None:
         self._fn(**kwargs)
+
+    def replay(self, *, plan, num_real_reqs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor) -> None:
+        """Copy-only replay of a miss plan onto another layer's KV (``reference.replay_plan_reference``)."""
+        self._replay(plan=plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv)
 
     def warmup(self, row_bytes: int, device_buffer_size: int, top_k: int) -> None:
         self._warmup(row_bytes, device_buffer_size, top_k)
@@ -135,6 +140,7 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     impl = choose_resolver(config.resolver, platform_of(device))
     workspace = None
     warmup = lambda *_: None  # noqa: E731 - the reference needs no build
+    replay = _replay_reference
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
@@ -143,5 +149,14 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
             cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size)
 
+        replay = functools.partial(cuda_resolver.replay_plan_cuda, workspace=workspace)
+
     resolve = functools.partial(resolve_layer, impl, workspace=workspace, block_size=config.swap_in_block_size)
-    return Resolver(impl, resolve, warmup)
+    return Resolver(impl, resolve, warmup, replay)
+
+
+def _replay_reference(*, num_real_reqs, **kwargs: Any) -> None:
+    from sglang_hisparse.resolver.reference import replay_plan_reference
+
+    count = int(num_real_reqs.reshape(-1)[0]) if isinstance(num_real_reqs, torch.Tensor) else int(num_real_reqs)
+    replay_plan_reference(num_real_reqs=count, **kwargs)
