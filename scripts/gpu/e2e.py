@@ -79,8 +79,9 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
-OURS = ("ours", "ours_noio", "ours_resident")
-"""Our implementations: the plugin, its no-IO oracle, the plugin with residency on."""
+OURS = ("ours", "ours_noio", "ours_resident", "ours_noprefetch")
+"""Our implementations: the plugin, its no-IO oracle, the plugin with residency on, the plugin
+with IndexShare prefetch off (every layer resolves; A/B on IndexShare models)."""
 RESIDENCY_WATERMARK = 0.05
 
 
@@ -96,6 +97,8 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
             config["skip_io"] = True
         if impl == "ours_resident":  # pressure-driven residency (docs/design.md, "Residency")
             config.update(residency=True, residency_watermark=RESIDENCY_WATERMARK)
+        if impl == "ours_noprefetch":
+            config["indexshare_prefetch"] = False
         return json.dumps(config)
     if impl == "upstream":
         return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})
@@ -229,11 +232,11 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
 
 
 def parse_config(text: str, default_workload: str) -> tuple[str, int, str, str]:
-    """``impl:B:graph[:workload]``: impl none|ours|ours_resident|upstream, graph 0|1|F<n>, workload
+    """``impl:B:graph[:workload]``: impl none, upstream or one of ``OURS``, graph 0|1|F<n>, workload
     arrival|lockstep."""
     parts = text.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in ("none", "ours", "ours_resident", "upstream") or not parts[1].isdigit():
-        raise ValueError(f"config must be impl:B:graph[:workload] (impl none|ours|ours_resident|upstream), got {text!r}")
+    if len(parts) not in (3, 4) or parts[0] not in ("none", "upstream") + OURS or not parts[1].isdigit():
+        raise ValueError(f"config must be impl:B:graph[:workload] (impl none|upstream|{'|'.join(OURS)}), got {text!r}")
     parse_graph(parts[2])
     workload = parts[3] if len(parts) == 4 else default_workload
     if workload not in ("arrival", "lockstep"):
