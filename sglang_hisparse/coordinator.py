@@ -106,6 +106,7 @@ class HiSparseCoordinator:
             self._prefetch = prefetch if prefetch.active() else None
             if self._prefetch is not None:
                 logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
+        self._layer_resolvers = [self._bind_layer(layer) for layer in range(self.device_pool.layer_num)]
         self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         self._waiting_since: Optional[str] = None
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
@@ -228,21 +229,24 @@ class HiSparseCoordinator:
         if prefetch is not None and prefetch.is_follower(layer_id):
             prefetch.join()
             return out
-        plan = prefetch.plan_for(layer_id) if prefetch is not None else None
-        if plan is not None:
+        source = prefetch is not None and prefetch.plan_for(layer_id) is not None
+        if source:
             prefetch.before_source(self.stats.counters)
-        self._resolve(
-            top_k_positions=top_k_result, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
-            hot_locs=self.hot.slot_rows, slot_tokens=self.hot.slot_positions[layer_id],
-            lru=self.hot.recency[layer_id], host_locs=self.mirror.row_table,
-            host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id],
-            out=out, num_real_reqs=self.num_real_reqs, device_buffer_size=self.hot.buffer_size,
-            skip_io=self.config.skip_io, counters=self.stats.counters, plan=plan,
-            **(self._resident_decode.resolver_tables if self._resident_decode is not None else {}),
-        )
-        if plan is not None:
+        self._layer_resolvers[layer_id](top_k_result, seq_lens, req_pool_indices, out)
+        if source:
             prefetch.after_source(layer_id, self.stats.counters, copy=not self.config.skip_io)
         return out
+
+    def _bind_layer(self, layer_id: int):
+        """The resolver of one layer, its unchanging arguments checked once (start-up)."""
+        return self._resolve.bind(
+            hot_locs=self.hot.slot_rows, slot_tokens=self.hot.slot_positions[layer_id], lru=self.hot.recency[layer_id],
+            host_locs=self.mirror.row_table, host_kv=self.mirror.pool.kv_buffer[layer_id],
+            device_kv=self.device_pool.kv_buffer[layer_id], num_real_reqs=self.num_real_reqs,
+            device_buffer_size=self.hot.buffer_size, skip_io=self.config.skip_io, counters=self.stats.counters,
+            plan=self._prefetch.plan_for(layer_id) if self._prefetch is not None else None,
+            **(self._resident_decode.resolver_tables if self._resident_decode is not None else {}),
+        )
 
     def _replay_onto(self, plan, layer_id: int) -> None:
         self._resolve.replay(plan=plan, num_real_reqs=self.num_real_reqs,

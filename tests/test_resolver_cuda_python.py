@@ -563,3 +563,35 @@ def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch
     with pytest.raises(Exception, match="resident"):
         module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
                                torch.zeros(9, dtype=torch.int64), *([torch.zeros(1)] * 3), 64, -1, 0)
+
+
+def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monkeypatch):
+    """bind_resolve_cuda checks the unchanging arguments once and, per call, only the batch: the
+    kernel receives the same arguments (same tensors, same order) as from resolve_cuda; bad batch
+    tensors are still refused, and an int num_real_reqs (baked into a graph) is refused at bind."""
+    calls = []
+
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    kw = _valid_kwargs()
+    kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
+    tables = _residency_kwargs()
+    cuda.resolve_cuda(skip_io=True, **kw, **tables)
+    batch = ("top_k_positions", "seq_lens", "req_pool_indices", "out")
+    fixed = {k: v for k, v in kw.items() if k not in batch + ("workspace", "block_size")}
+    resolve = cuda.bind_resolve_cuda(workspace=kw["workspace"], block_size=kw.get("block_size"), skip_io=True,
+                                     top_k=kw["top_k_positions"].shape[1], **fixed, **tables)
+    resolve(*(kw[k] for k in batch))
+    unbound, bound = calls
+    assert len(bound) == len(unbound)
+    assert all(a is b or a == b for a, b in zip(unbound, bound))
+    with pytest.raises(ValueError, match="seq_lens"):
+        resolve(kw["top_k_positions"], kw["seq_lens"].float(), kw["req_pool_indices"], kw["out"])
+    with pytest.raises(ValueError, match="top_k_positions"):
+        resolve(kw["top_k_positions"][:, :8], kw["seq_lens"], kw["req_pool_indices"], kw["out"])
+    with pytest.raises(ValueError, match="device tensor"):
+        cuda.bind_resolve_cuda(workspace=kw["workspace"], top_k=16, **{**fixed, "num_real_reqs": 3})
+    assert len(calls) == 2

@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -226,9 +226,9 @@ def _check_table(t: torch.Tensor, dtype: torch.dtype, name: str, device: torch.d
 
 def _num_real_tensor(num_real_reqs: Union[int, torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
     if isinstance(num_real_reqs, torch.Tensor):
-        _check(num_real_reqs.dtype == torch.int32 and num_real_reqs.numel() >= 1
-               and num_real_reqs.device == scratch.device,
-               f"num_real_reqs must be an int32 tensor on {scratch.device}")
+        if not (num_real_reqs.dtype == torch.int32 and num_real_reqs.numel() >= 1
+                and num_real_reqs.device == scratch.device):
+            _check(False, f"num_real_reqs must be an int32 tensor on {scratch.device}")
         return num_real_reqs
     scratch.fill_(int(num_real_reqs))  # an int is baked into a captured graph: pass a tensor there
     return scratch
@@ -288,6 +288,104 @@ def _check_residency(
            f"{tuple(logical_to_device.shape)} on {logical_to_device.device}")
 
 
+@dataclass(frozen=True)
+class _Static:
+    """A layer's validated arguments that do not change between calls: the kernel build key and
+    the argument tuples around the per-call tensors (see :func:`_launch`)."""
+
+    item_bytes: int
+    skip_io: bool
+    tables: tuple
+    """(hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv)"""
+    extras: tuple
+    """(plan host rows, plan device rows, plan counts, counters, resident, req_to_token,
+    logical_to_device, workspace state, miss-list host rows, miss-list device rows, block,
+    copiers, spin timeout)"""
+
+
+def _validate_static(
+    *, hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, device_buffer_size: int, top_k: int,
+    skip_io: bool, plan: Optional[MissPlan], counters: Optional[torch.Tensor], residency: Optional[tuple],
+    workspace: ResolveWorkspace, block_size: Optional[int], num_copiers: Optional[int],
+) -> _Static:
+    """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
+    B, device = int(device_buffer_size), workspace.device
+    block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
+    item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
+                                      device_kv)
+    if residency is not None:
+        _check_residency(*residency, min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs)), device)
+    if plan is not None:
+        _check_plan(plan, top_k, device)
+    if counters is not None:
+        _check(counters.dtype == torch.int64 and counters.numel() >= 2 and counters.device == device
+               and counters.stride(0) == 1, f"counters must be a contiguous int64 [2] tensor on {device}")
+    e64, e32 = workspace.empty_i64, workspace.empty_i32
+    resident, req_to_token, logical_to_device = residency if residency is not None else (workspace.empty_u8, e32, e64)
+    extras = (
+        plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
+        plan.counts if plan is not None else e32, counters if counters is not None else e64,
+        resident, req_to_token, logical_to_device, workspace.state, workspace.flat_host_rows,
+        workspace.flat_device_rows, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
+    )
+    return _Static(item_bytes, bool(skip_io), (hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv), extras)
+
+
+def _check_plan(plan: MissPlan, top_k: int, device: torch.device) -> None:
+    _check(plan.host_rows.dtype == torch.int64 and plan.device_rows.dtype == torch.int32
+           and plan.counts.dtype == torch.int32, "plan tensors must be int64 / int32 / int32")
+    _check(plan.host_rows.device == device and plan.device_rows.device == device and plan.counts.device == device,
+           f"plan tensors must be on {device}")
+    _check(plan.host_rows.dim() == 2 and plan.device_rows.dim() == 2 and plan.counts.dim() == 1
+           and plan.host_rows.shape[1] >= top_k and plan.device_rows.shape[1] >= top_k,
+           "plan must have >= top_k columns")
+    _check(plan.host_rows.stride(1) == 1 and plan.device_rows.stride(1) == 1 and plan.counts.stride(0) == 1,
+           "plan rows must be contiguous")
+
+
+def _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace: ResolveWorkspace,
+                 plan: Optional[MissPlan]) -> int:
+    """The checks of one call's batch tensors; returns the number of rows. On the hot path of every
+    layer: messages are formatted only when a check fails."""
+    device = workspace.device
+    if not (top_k_positions.dim() == 2 and top_k_positions.dtype == torch.int32):
+        _check(False, f"top_k_positions must be int32 [num_reqs, top_k], got {top_k_positions.dtype} "
+                      f"{tuple(top_k_positions.shape)}")
+    if top_k_positions.device != device:
+        _check(False, f"top_k_positions must be on {device}")
+    num_reqs, top_k = top_k_positions.shape
+    if num_reqs > workspace.max_reqs:
+        _check(False, f"batch of {num_reqs} exceeds the workspace's max_reqs={workspace.max_reqs}")
+    if top_k > workspace.top_k:
+        _check(False, f"top_k={top_k} exceeds the workspace's top_k={workspace.top_k}")
+    for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices)):
+        if not (t.dim() == 1 and t.dtype in _INDEX_DTYPES and t.shape[0] >= num_reqs and t.device == device):
+            _check(False, f"{name} must be int32/int64 [>= num_reqs] on {device}")
+    if not (out.dim() == 2 and out.dtype == torch.int32 and out.device == device and (out.shape[1] <= 1 or out.stride(1) == 1)
+            and out.shape[0] >= num_reqs and out.shape[1] == top_k):
+        _check_table(out, torch.int32, "out", device)
+        _check(False, "out must be int32 [>= num_reqs, top_k]")
+    if plan is not None and not (plan.host_rows.shape[0] >= num_reqs and plan.device_rows.shape[0] >= num_reqs
+                                 and plan.counts.shape[0] >= num_reqs):
+        _check(False, "plan must have >= num_reqs rows")
+    return num_reqs
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _launch(fn, static: _Static, top_k_positions, seq_lens, req_pool_indices, out, n_real) -> None:
+    fn(top_k_positions, seq_lens, req_pool_indices, *static.tables, out, n_real, *static.extras)
+
+
+def _kernel(static: _Static, B: int, top_k: int, stage_clock: Union[bool, str] = False):
+    if stage_clock:
+        module = jit.resolve_stage_clock_module(static.item_bytes, B, top_k, twice=stage_clock == "twice")
+    else:
+        module = jit.resolve_module(static.item_bytes, B, top_k)
+    return module.resolve_skip_io if static.skip_io else module.resolve
+
+
 def resolve_cuda(
     *,
     top_k_positions: torch.Tensor,
@@ -320,7 +418,8 @@ def resolve_cuda(
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
     Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
     (and a plan count of 0); the three tables are only read, so their contents (not their
-    addresses) may change between replays of a captured graph.
+    addresses) may change between replays of a captured graph. A server calls the form bound once
+    per layer (:func:`bind_resolve_cuda`), which skips the per-call signature lookup.
 
     Args beyond the reference's:
         workspace: from :func:`make_workspace` (``max_reqs >= num_reqs``, ``top_k >= top_k``).
@@ -334,68 +433,55 @@ def resolve_cuda(
     Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
-    B = int(device_buffer_size)
-    block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
-    device = workspace.device
-    _check(top_k_positions.dim() == 2 and top_k_positions.dtype == torch.int32,
-           f"top_k_positions must be int32 [num_reqs, top_k], got {top_k_positions.dtype} {tuple(top_k_positions.shape)}")
-    _check(top_k_positions.device == device, f"top_k_positions must be on {device}")
-    num_reqs, top_k = int(top_k_positions.shape[0]), int(top_k_positions.shape[1])
-    _check(num_reqs <= workspace.max_reqs, f"batch of {num_reqs} exceeds the workspace's max_reqs={workspace.max_reqs}")
-    _check(top_k <= workspace.top_k, f"top_k={top_k} exceeds the workspace's top_k={workspace.top_k}")
-    for name, t in (("seq_lens", seq_lens), ("req_pool_indices", req_pool_indices)):
-        _check(t.dim() == 1 and t.dtype in (torch.int32, torch.int64) and t.shape[0] >= num_reqs
-               and t.device == device, f"{name} must be int32/int64 [>= num_reqs] on {device}")
-    _check_table(out, torch.int32, "out", device)
-    _check(out.shape[0] >= num_reqs and out.shape[1] == top_k, "out must be int32 [>= num_reqs, top_k]")
-    static_key = (B, top_k, bool(skip_io), device, _signature(hot_locs), _signature(slot_tokens), _signature(lru),
-                  _signature(host_locs), _signature(host_kv), _signature(device_kv),
-                  None if residency is None else tuple(_signature(t) for t in residency))
-    item_bytes = _static_checked.get(static_key)
-    if item_bytes is None:
-        item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
-                                          device_kv)
-        if residency is not None:
-            table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
-            _check_residency(*residency, table_rows, device)
+    B, top_k = int(device_buffer_size), int(top_k_positions.shape[-1])
+    num_reqs = _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan)
+    key = (B, top_k, bool(skip_io), workspace.device, block_size, num_copiers, _signature(hot_locs),
+           _signature(slot_tokens), _signature(lru), _signature(host_locs), _signature(host_kv), _signature(device_kv),
+           None if residency is None else tuple(_signature(t) for t in residency),
+           None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
+           None if counters is None else _signature(counters), _signature(workspace.state))
+    static = _static_checked.get(key)
+    if static is None:
+        static = _validate_static(
+            hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
+            device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
+            residency=residency, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
-        _static_checked[static_key] = item_bytes
-    if plan is not None:
-        _check(plan.host_rows.dtype == torch.int64 and plan.device_rows.dtype == torch.int32
-               and plan.counts.dtype == torch.int32, "plan tensors must be int64 / int32 / int32")
-        _check(plan.host_rows.device == device and plan.device_rows.device == device and plan.counts.device == device,
-               f"plan tensors must be on {device}")
-        _check(plan.host_rows.dim() == 2 and plan.device_rows.dim() == 2 and plan.counts.dim() == 1
-               and plan.host_rows.shape[0] >= num_reqs and plan.device_rows.shape[0] >= num_reqs
-               and plan.counts.shape[0] >= num_reqs and plan.host_rows.shape[1] >= top_k
-               and plan.device_rows.shape[1] >= top_k, "plan must have >= num_reqs rows and >= top_k columns")
-        _check(plan.host_rows.stride(1) == 1 and plan.device_rows.stride(1) == 1 and plan.counts.stride(0) == 1,
-               "plan rows must be contiguous")
-    if counters is not None:
-        _check(counters.dtype == torch.int64 and counters.numel() >= 2 and counters.device == device
-               and counters.stride(0) == 1, f"counters must be a contiguous int64 [2] tensor on {device}")
+        _static_checked[key] = static
     if num_reqs == 0:
         return
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
-    if stage_clock:
-        module = jit.resolve_stage_clock_module(item_bytes, B, top_k, twice=stage_clock == "twice")
-    else:
-        module = jit.resolve_module(item_bytes, B, top_k)
-    fn = module.resolve_skip_io if skip_io else module.resolve
-    e64, e32 = workspace.empty_i64, workspace.empty_i32
-    resident_, req_to_token_, logical_to_device_ = residency if residency is not None else (workspace.empty_u8, e32, e64)
-    fn(
-        top_k_positions, seq_lens, req_pool_indices, hot_locs, slot_tokens, lru, host_locs,
-        host_kv, device_kv, out, n_real,
-        plan.host_rows if plan is not None else e64,
-        plan.device_rows if plan is not None else e32,
-        plan.counts if plan is not None else e32,
-        counters if counters is not None else e64,
-        resident_, req_to_token_, logical_to_device_,
-        workspace.state, workspace.flat_host_rows, workspace.flat_device_rows,
-        block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
-    )
+    _launch(_kernel(static, B, top_k, stage_clock), static, top_k_positions, seq_lens, req_pool_indices, out, n_real)
+
+
+def bind_resolve_cuda(
+    *, top_k: int, num_real_reqs: torch.Tensor, workspace: ResolveWorkspace, device_buffer_size: int,
+    resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
+    logical_to_device: Optional[torch.Tensor] = None, **static: Any,
+) -> Callable[..., None]:
+    """Validate one layer's unchanging arguments once (keywords of :func:`resolve_cuda` other than
+    the batch's) and return ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``, which
+    checks only the batch tensors and launches. ``num_real_reqs`` must be the int32 device tensor
+    the caller updates (CUDA graphs). The kernel module is looked up here, once: build it first
+    (:func:`warmup_build`)."""
+    residency = residency_tables(resident, req_to_token, logical_to_device)
+    _check(isinstance(num_real_reqs, torch.Tensor), "a bound resolver needs num_real_reqs as a device tensor")
+    n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
+    fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency,
+                             workspace=workspace, **{"plan": None, "counters": None, "skip_io": False,
+                                                     "block_size": None, "num_copiers": None, **static})
+    fn = _kernel(fixed, int(device_buffer_size), top_k)
+    plan = static.get("plan")
+
+    def resolve(top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                out: torch.Tensor) -> None:
+        if top_k_positions.dim() != 2 or top_k_positions.shape[1] != top_k:
+            _check(False, f"top_k_positions must be [num_reqs, {top_k}], got {tuple(top_k_positions.shape)}")
+        if _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan):
+            _launch(fn, fixed, top_k_positions, seq_lens, req_pool_indices, out, n_real)
+
+    return resolve
 
 
 def read_stage_clock(workspace: ResolveWorkspace) -> dict[str, float]:
@@ -433,8 +519,26 @@ def replay_plan_cuda(
     """
     block = check_block_size(DEFAULT_REPLAY_BLOCK if block_size is None else int(block_size))
     ctas = DEFAULT_REPLAY_CTAS if num_ctas is None else int(num_ctas)
+    key = ("replay", block, ctas, workspace.device, _signature(plan.host_rows), _signature(plan.device_rows),
+           _signature(plan.counts), _signature(host_kv), _signature(device_kv))
+    item_bytes = _static_checked.get(key)
+    if item_bytes is None:
+        item_bytes = _check_replay(plan, host_kv, device_kv, workspace.device, ctas)
+        if len(_static_checked) >= _STATIC_MEMO_SIZE:
+            _static_checked.clear()
+        _static_checked[key] = item_bytes
+    if plan.counts.numel() == 0:
+        return
+    n_real = _num_real_tensor(num_real_reqs, workspace.replay_num_real)
+    jit.replay_module(item_bytes).replay(
+        plan.host_rows, plan.device_rows, plan.counts, n_real, host_kv, device_kv, workspace.state, block, ctas
+    )
+
+
+def _check_replay(plan: MissPlan, host_kv: torch.Tensor, device_kv: torch.Tensor, device: torch.device,
+                  ctas: int) -> int:
+    """The checks of replay_plan_cuda's arguments; returns the KV row bytes."""
     _check(1 <= ctas <= 65535, f"num_ctas must be in [1, 65535], got {ctas}")
-    device = workspace.device
     _check(plan.counts.device == device and plan.host_rows.device == device and plan.device_rows.device == device,
            f"plan tensors must be on {device}")
     _check(plan.host_rows.dtype == torch.int64 and plan.device_rows.dtype == torch.int32
@@ -447,12 +551,7 @@ def replay_plan_cuda(
     _check_host_kv(host_kv)
     _check_rows_kv(host_kv, "host_kv")
     _check_rows_kv(device_kv, "device_kv")
-    if plan.counts.numel() == 0:
-        return
-    n_real = _num_real_tensor(num_real_reqs, workspace.replay_num_real)
-    jit.replay_module(item_bytes).replay(
-        plan.host_rows, plan.device_rows, plan.counts, n_real, host_kv, device_kv, workspace.state, block, ctas
-    )
+    return item_bytes
 
 
 def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_size: int) -> None:

@@ -113,11 +113,18 @@ class Resolver:
     ``reference.resolve_reference``).
     """
 
-    def __init__(self, name: str, fn, warmup, replay):
+    def __init__(self, name: str, fn, warmup, replay, bind):
         self.name = name
         self._fn = fn
         self._warmup = warmup
         self._replay = replay
+        self._bind = bind
+
+    def bind(self, **static: Any):
+        """One layer's resolver: the unchanging keywords (tables, KV buffers, counters, plan,
+        residency tables, ``num_real_reqs`` tensor, B) checked once; returns
+        ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``. Call after :meth:`warmup`."""
+        return self._bind(**static)
 
     def __call__(self, **kwargs: Any) -> None:
         self._fn(**kwargs)
@@ -141,6 +148,7 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     workspace = None
     warmup = lambda *_: None  # noqa: E731 - the reference needs no build
     replay = _replay_reference
+    bind = _bind_reference
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
@@ -151,8 +159,22 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
 
         replay = functools.partial(cuda_resolver.replay_plan_cuda, workspace=workspace)
 
+        def bind(**static: Any):
+            return cuda_resolver.bind_resolve_cuda(workspace=workspace, block_size=config.swap_in_block_size,
+                                                   top_k=top_k, **static)
+
     resolve = functools.partial(resolve_layer, impl, workspace=workspace, block_size=config.swap_in_block_size)
-    return Resolver(impl, resolve, warmup, replay)
+    return Resolver(impl, resolve, warmup, replay, bind)
+
+
+def _bind_reference(**static: Any):
+    from sglang_hisparse.resolver.reference import resolve_reference
+
+    def resolve(top_k_positions, seq_lens, req_pool_indices, out) -> None:
+        resolve_reference(top_k_positions=top_k_positions, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
+                          out=out, **static)
+
+    return resolve
 
 
 def _replay_reference(*, num_real_reqs, **kwargs: Any) -> None:
