@@ -176,3 +176,25 @@ def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world
     for r in live:
         rig.release(r, retract=rng.random() < 0.5)
     assert rig.counts() == rig.initial_counts
+
+
+def test_demoting_a_short_resident_request_fills_its_hot_buffer_from_its_guarantee(gloo_world):
+    """The mechanism on its own (the policy never picks a request whose demotion frees nothing):
+    a resident request shorter than a hot buffer becomes a filled one, its guarantee turned into
+    the buffer's growth reserve, and keeps decoding exactly through the fast and long paths."""
+    rig = Rig(gloo_world, residency=True, residency_watermark=0.0)
+    rng = random.Random(12)
+    req = Request(uid=4, prompt_len=70)  # 2 pages < padded = 192 rows
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    residency, idx = rig.coord.residency, req.req_pool_idx
+    assert residency.holds(idx) and rig.allocator.rows.reserved == rig.coord.hot.padded - 2 * PAGE
+    decode(rig, [req], rng, steps=5)
+    logical = rig.req_to_token_pool.req_to_token[idx, : req.seq_len].to(torch.int64)
+    residency.demote(idx, logical, None)
+    assert rig.coord.hot.holds(idx) and rig.coord.hot.reserve[idx] == rig.allocator.rows.reserved == PAGE
+    decode(rig, [req], rng, steps=80)  # grows past B = 128 into the long path
+    assert rig.coord.stats.totals()[1] > 0
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
