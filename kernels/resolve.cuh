@@ -496,294 +496,382 @@ __device__ __forceinline__ void resolve_resident(
   if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
 }
 
-template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
-__device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
-  using Lay = PlanLayout<kB, kTopK>;
-  constexpr int kHash = Lay::kHash;
+// Shared-memory arrays of a planner CTA: PlanLayout's offsets applied to the CTA's dynamic smem.
+// The hash table (S1-S2) and the new LRU row + host rows (S5-S6) share PlanLayout's union region.
+template <int kB, int kTopK>
+struct PlanSmem {
+  int32_t* topk;        // [kTopK]   S0: the request's top-k row
+  int32_t* sel;         // [kTopK]   S2: the slot holding selection j (-1: none); S5: misses -2 - m
+  int32_t* tok;         // [kB]      S0: slot tokens; S2 on: the selection j slot s holds (or -1)
+  int32_t* hot;         // [kB + 1]  hot locs: device row of each slot, [kB] the newest position's
+  int16_t* lru;         // [kB]      S0: the LRU row
+  int16_t* vict;        // [kTopK]   S5: the slot the m-th miss takes
+  uint32_t* missmask;   // [kKGroups] S3 ballots, read in S5
+  uint32_t* evictmask;  // [kBGroups]
+  int32_t* hkeys;       // [kHash]   union, part 1 (S0-S2)
+  int16_t* hvals;       // [kHash]
+  int16_t* newlru;      // [kB]      union, part 2 (S5-S6)
+  int64_t* hostrow;     // [kTopK]
+  int32_t* wsum;        // [3][32]   S3 per-warp counts: misses, evictables, selections
+  int32_t* scalar;      // [8]       [0]: base of the request's rows in the miss list
+
+  __device__ __forceinline__ explicit PlanSmem(unsigned char* smem) {
+    using Lay = PlanLayout<kB, kTopK>;
+    topk = reinterpret_cast<int32_t*>(smem + Lay::kTopkOff);
+    sel = reinterpret_cast<int32_t*>(smem + Lay::kSelOff);
+    tok = reinterpret_cast<int32_t*>(smem + Lay::kTokOff);
+    hot = reinterpret_cast<int32_t*>(smem + Lay::kHotOff);
+    lru = reinterpret_cast<int16_t*>(smem + Lay::kLruOff);
+    vict = reinterpret_cast<int16_t*>(smem + Lay::kVictOff);
+    missmask = reinterpret_cast<uint32_t*>(smem + Lay::kMissMaskOff);
+    evictmask = reinterpret_cast<uint32_t*>(smem + Lay::kEvictMaskOff);
+    hkeys = reinterpret_cast<int32_t*>(smem + Lay::kHashKeysOff);
+    hvals = reinterpret_cast<int16_t*>(smem + Lay::kHashValsOff);
+    newlru = reinterpret_cast<int16_t*>(smem + Lay::kNewLruOff);
+    hostrow = reinterpret_cast<int64_t*>(smem + Lay::kHostRowOff);
+    wsum = reinterpret_cast<int32_t*>(smem + Lay::kMiscOff);
+    scalar = wsum + 3 * kWarpSize;
+  }
+};
+
+// The calling thread's place in its CTA.
+struct PlanThread {
+  int tid;
+  int nt;  // threads of the CTA
+  int warp;
+  int lane;
+  int nw;  // warps of the CTA
+  unsigned lanes_below;  // mask of the lanes below this one
+};
+
+__device__ __forceinline__ PlanThread plan_thread() {
+  PlanThread t;
+  t.tid = threadIdx.x;
+  t.nt = blockDim.x;
+  t.warp = t.tid / kWarpSize;
+  t.lane = t.tid % kWarpSize;
+  t.nw = t.nt / kWarpSize;
+  t.lanes_below = (1u << t.lane) - 1u;
+  return t;
+}
+
+// A long request (seq_len > B) being planned: its index in the batch, its rows of the tables it
+// updates or reads in S0-S6, and which selected positions are valid.
+struct PlanRequest {
+  int i;
+  int64_t newest;     // seq_len - 1: the position being decoded, its device row is hot locs [kB]
+  int64_t valid_end;  // a selection q is valid when 0 <= q < valid_end
+  int32_t* tok_row;
+  int16_t* lru_row;
+  const int32_t* hot_row;
+  const int64_t* host_loc_row;
+  int32_t* out_row;
+
+  __device__ __forceinline__ bool is_valid(int32_t q) const {
+    return q >= 0 && static_cast<int64_t>(q) < valid_end;
+  }
+};
+
+__device__ __forceinline__ PlanRequest long_request(
+    const ResolveParams& p, const int i, const int64_t r, const int64_t L, const int32_t* hot_row, int32_t* out_row) {
+  PlanRequest rq;
+  rq.i = i;
+  rq.newest = L - 1;
+  rq.valid_end = rq.newest < p.max_context ? rq.newest : p.max_context;
+  rq.tok_row = p.slot_tokens + r * p.tok_stride;
+  rq.lru_row = p.lru + r * p.lru_stride;
+  rq.hot_row = hot_row;
+  rq.host_loc_row = p.host_locs + r * p.host_locs_stride;
+  rq.out_row = out_row;
+  return rq;
+}
+
+// Warp-contiguous element ranges (multiples of 32) of the two ballot scans (S3, S5): top-k
+// entries [k_begin, k_end) and LRU entries [b_begin, b_end) of the calling warp.
+struct WarpRanges {
+  int k_begin, k_end;
+  int b_begin, b_end;
+};
+
+template <int kB, int kTopK>
+__device__ __forceinline__ WarpRanges warp_ranges(const PlanThread& t) {
+  WarpRanges w;
+  const int k_per_warp = ((kTopK + kWarpSize * t.nw - 1) / (kWarpSize * t.nw)) * kWarpSize;
+  w.k_begin = t.warp * k_per_warp;
+  w.k_end = min(w.k_begin + k_per_warp, kTopK);
+  const int b_per_warp = ((kB + kWarpSize * t.nw - 1) / (kWarpSize * t.nw)) * kWarpSize;
+  w.b_begin = t.warp * b_per_warp;
+  w.b_end = min(w.b_begin + b_per_warp, kB);
+  return w;
+}
+
+// S4's result, the same in every thread: the warp's offsets among the misses (top-k order) and
+// the evictables (LRU order), the request's totals, and M_eff = min(M, E) misses that get a slot.
+struct PlanCounts {
+  int miss_off;
+  int evict_off;
+  int M;
+  int E;
+  int selected;
+  int M_eff;
+};
+
+// Invalid request row (r outside the tables): waits for S0's copies, writes -1 for every
+// selection, counts one error and records a plan count of 0. CTA-uniform.
+template <int kTopK>
+__device__ __forceinline__ void reject_request(const ResolveParams& p, const int i, int32_t* out_row) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
-  const int warp = tid / kWarpSize;
-  const int lane = tid % kWarpSize;
-  const int nw = nt / kWarpSize;
-  const unsigned lanes_below = (1u << lane) - 1u;
-  const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
-
-  int32_t* s_topk = reinterpret_cast<int32_t*>(smem + Lay::kTopkOff);
-  int32_t* s_sel = reinterpret_cast<int32_t*>(smem + Lay::kSelOff);
-  int32_t* s_tok = reinterpret_cast<int32_t*>(smem + Lay::kTokOff);
-  int32_t* s_hot = reinterpret_cast<int32_t*>(smem + Lay::kHotOff);
-  int16_t* s_lru = reinterpret_cast<int16_t*>(smem + Lay::kLruOff);
-  int16_t* s_vict = reinterpret_cast<int16_t*>(smem + Lay::kVictOff);
-  uint32_t* s_missmask = reinterpret_cast<uint32_t*>(smem + Lay::kMissMaskOff);  // S3 ballots, read in S5
-  uint32_t* s_evictmask = reinterpret_cast<uint32_t*>(smem + Lay::kEvictMaskOff);
-  int32_t* s_hkeys = reinterpret_cast<int32_t*>(smem + Lay::kHashKeysOff);
-  int16_t* s_hvals = reinterpret_cast<int16_t*>(smem + Lay::kHashValsOff);
-  int16_t* s_newlru = reinterpret_cast<int16_t*>(smem + Lay::kNewLruOff);
-  int64_t* s_hostrow = reinterpret_cast<int64_t*>(smem + Lay::kHostRowOff);
-  int32_t* s_wsum = reinterpret_cast<int32_t*>(smem + Lay::kMiscOff);  // [3][32]
-  int32_t* s_scalar = s_wsum + 3 * kWarpSize;                          // [8]
-
-  int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
-
-  // ---- S0: the top-k row and the request's scalars do not depend on the request's tables (nor
-  // on num_real_reqs): start them first, so that their DRAM round trip overlaps the load of
-  // num_real_reqs. A padded row only reads (rows < num_reqs exist) and then exits. ----
-  stage_row(s_topk, p.topk + static_cast<int64_t>(i) * p.topk_stride, kTopK, tid, nt);
-  const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
-  const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
-  if (i >= p.num_real_reqs[0]) {  // CTA-uniform: padded CUDA-graph row, writes nothing
-    cp_async_wait_all();
-    return;
+  cp_async_wait_all();
+  for (int j = tid; j < kTopK; j += nt) out_row[j] = -1;
+  if (tid == 0) {
+    count_error(p.state);
+    if (p.has_plan) p.plan_counts[i] = 0;
   }
-  HS_STAMP(1, clock64());
+}
 
-  if (r < 0 || r >= p.table_rows) {  // CTA-uniform: not a valid request row
-    cp_async_wait_all();
-    for (int j = tid; j < kTopK; j += nt) out_row[j] = -1;
-    if (tid == 0) {
-      count_error(p.state);
-      if (p.has_plan) p.plan_counts[i] = 0;
-    }
-    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
-    return;
-  }
-  // ---- Resident request: its own device rows; no IO, no table change (before the fast path). ----
-  if (p.resident != nullptr && p.resident[r] != 0) {  // CTA-uniform
-    resolve_resident<kTopK>(p, i, r, L, s_topk, out_row);
-    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
-    return;
-  }
-  const int32_t* hot_row = p.hot_locs + r * p.hot_stride;
-
-  // ---- Fast path (L <= B): position q lives at slot q; no IO, no table change. ----
-  if (L <= kB) {  // CTA-uniform
-    stage_row(s_hot, hot_row, L > 0 ? static_cast<int>(L) : 0, tid, nt);
-    cp_async_wait_all();
-    __syncthreads();
-    for (int j = tid; j < kTopK; j += nt) {
-      const int32_t q = s_topk[j];
-      int32_t o = -1;
-      if (q >= 0) {
-        if (q < L) {
-          o = s_hot[q];
-        } else {
-          count_error(p.state);  // precondition: positions < seq_len
-        }
-      }
-      out_row[j] = o;
-    }
-    if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
-    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
-    return;
-  }
-
-  // ---- S0 (long path): stage the tables; initialise the hash table and the selection map. ----
-  int32_t* tok_row = p.slot_tokens + r * p.tok_stride;
-  int16_t* lru_row = p.lru + r * p.lru_stride;
-  const int64_t* host_loc_row = p.host_locs + r * p.host_locs_stride;
-  stage_row(s_tok, tok_row, kB, tid, nt);
-  stage_row(s_lru, lru_row, kB, tid, nt);
-  stage_row(s_hot, hot_row, kB + 1, tid, nt);
-  if constexpr (kHash % 4 == 0) {
-    for (int h = tid; h < kHash / 4; h += nt) reinterpret_cast<int4*>(s_hkeys)[h] = make_int4(-1, -1, -1, -1);
-  } else {
-    for (int h = tid; h < kHash; h += nt) s_hkeys[h] = -1;
-  }
-  for (int j = tid; j < kTopK; j += nt) s_sel[j] = -1;  // -1: no slot holds selection j
+// Fast path (seq_len <= B): position q lives at slot q, so out[j] = hot_locs[r, q] from the
+// staged hot row; -1 for padding. No IO, no table change, a plan count of 0. A position >= seq_len
+// writes -1 and counts an error. Called by every thread of the CTA (it contains a barrier).
+template <int kB, int kTopK>
+__device__ __forceinline__ void resolve_short(
+    const ResolveParams& p, const int i, const int64_t L, const int32_t* hot_row, const PlanSmem<kB, kTopK>& sm,
+    int32_t* out_row) {
+  const int tid = threadIdx.x;
+  const int nt = blockDim.x;
+  stage_row(sm.hot, hot_row, L > 0 ? static_cast<int>(L) : 0, tid, nt);
   cp_async_wait_all();
   __syncthreads();
-  HS_STAMP(2, clock64());
-
-  const int64_t newest = L - 1;
-  const int64_t valid_end = newest < p.max_context ? newest : p.max_context;  // valid: 0 <= q < valid_end
-  auto is_valid = [&](int32_t q) { return q >= 0 && static_cast<int64_t>(q) < valid_end; };
-
-  // ---- S1: insert every selected position (not padding, not the newest) into the hash table. ----
   for (int j = tid; j < kTopK; j += nt) {
-    const int32_t q = s_topk[j];
-    if (q < 0 || q == newest) continue;
-    if (!is_valid(q)) {
+    const int32_t q = sm.topk[j];
+    int32_t o = -1;
+    if (q >= 0) {
+      if (q < L) {
+        o = sm.hot[q];
+      } else {
+        count_error(p.state);  // precondition: positions < seq_len
+      }
+    }
+    out_row[j] = o;
+  }
+  if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
+}
+
+// S0 (long path): stage the slot tokens, LRU and hot locs (cp.async); initialise the hash table
+// and the selection map while the copies fly. Complete with cp_async_wait_all() + __syncthreads().
+template <int kB, int kTopK>
+__device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq) {
+  constexpr int kHash = PlanLayout<kB, kTopK>::kHash;
+  stage_row(sm.tok, rq.tok_row, kB, t.tid, t.nt);
+  stage_row(sm.lru, rq.lru_row, kB, t.tid, t.nt);
+  stage_row(sm.hot, rq.hot_row, kB + 1, t.tid, t.nt);
+  if constexpr (kHash % 4 == 0) {
+    for (int h = t.tid; h < kHash / 4; h += t.nt) reinterpret_cast<int4*>(sm.hkeys)[h] = make_int4(-1, -1, -1, -1);
+  } else {
+    for (int h = t.tid; h < kHash; h += t.nt) sm.hkeys[h] = -1;
+  }
+  for (int j = t.tid; j < kTopK; j += t.nt) sm.sel[j] = -1;  // -1: no slot holds selection j
+}
+
+// S1: insert every selected position (not padding, not the newest) into the hash table.
+template <int kB, int kTopK>
+__device__ __forceinline__ void insert_selection(
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq) {
+  using Lay = PlanLayout<kB, kTopK>;
+  for (int j = t.tid; j < kTopK; j += t.nt) {
+    const int32_t q = sm.topk[j];
+    if (q < 0 || q == rq.newest) continue;
+    if (!rq.is_valid(q)) {
       count_error(p.state);  // precondition: positions < seq_len (and < max_context)
       continue;
     }
     int h = hash_of<Lay::kHashBits>(q);
     while (true) {
-      const int32_t prev = atomicCAS(s_hkeys + h, -1, q);
+      const int32_t prev = atomicCAS(sm.hkeys + h, -1, q);
       if (prev == -1) {
-        s_hvals[h] = static_cast<int16_t>(j);
+        sm.hvals[h] = static_cast<int16_t>(j);
         break;
       }
       if (prev == q) {  // precondition: selections are distinct; the first inserter keeps it
         count_error(p.state);
         break;
       }
-      h = (h + 1) & (kHash - 1);
+      h = (h + 1) & (Lay::kHash - 1);
     }
   }
-  __syncthreads();
-  HS_STAMP(3, clock64());
+}
 
-  // ---- S2: each slot looks up its token; s_tok[s] becomes the selection j it holds (or -1). ----
-  // If several slots held the same position (invalid state) the reference keeps the last one:
-  // atomicMax picks the largest slot index.
-  for (int s = tid; s < kB; s += nt) {
-    const int32_t t = s_tok[s];
+// S2: each slot looks up its token; s_tok[s] becomes the selection j it holds (or -1).
+// If several slots held the same position (invalid state) the reference keeps the last one:
+// atomicMax picks the largest slot index.
+template <int kB, int kTopK>
+__device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK>& sm, const PlanThread& t) {
+  using Lay = PlanLayout<kB, kTopK>;
+  for (int s = t.tid; s < kB; s += t.nt) {
+    const int32_t tk = sm.tok[s];
     int32_t j = -1;
-    if (t >= 0) {
-      int h = hash_of<Lay::kHashBits>(t);
+    if (tk >= 0) {
+      int h = hash_of<Lay::kHashBits>(tk);
       while (true) {
-        const int32_t k = s_hkeys[h];
-        if (k == t) {
-          j = s_hvals[h];
+        const int32_t k = sm.hkeys[h];
+        if (k == tk) {
+          j = sm.hvals[h];
           break;
         }
         if (k == -1) break;
-        h = (h + 1) & (kHash - 1);
+        h = (h + 1) & (Lay::kHash - 1);
       }
     }
-    s_tok[s] = j;
-    if (j >= 0) atomicMax(s_sel + j, s);
+    sm.tok[s] = j;
+    if (j >= 0) atomicMax(sm.sel + j, s);
   }
-  __syncthreads();
-  HS_STAMP(4, clock64());
+}
 
+// S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU); the miss
+// and evictable ballots are kept (one word per 32-entry group) for S5.
+template <int kB, int kTopK>
+__device__ __forceinline__ void count_misses(
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
+    const PlanRequest& rq) {
   // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
   auto slot_is_evictable = [&](int s) -> bool {
     if (s < 0 || s >= kB) return false;
-    const int32_t j = s_tok[s];
-    return !(j >= 0 && s_sel[j] == s);
+    const int32_t j = sm.tok[s];
+    return !(j >= 0 && sm.sel[j] == s);
   };
-
-  // Warp-contiguous element ranges (multiples of 32) for the two ballot scans.
-  const int k_per_warp = ((kTopK + kWarpSize * nw - 1) / (kWarpSize * nw)) * kWarpSize;
-  const int k_begin = warp * k_per_warp;
-  const int k_end = min(k_begin + k_per_warp, kTopK);
-  const int b_per_warp = ((kB + kWarpSize * nw - 1) / (kWarpSize * nw)) * kWarpSize;
-  const int b_begin = warp * b_per_warp;
-  const int b_end = min(b_begin + b_per_warp, kB);
-
-  // ---- S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU); the
-  // miss and evictable ballots are kept (one word per 32-entry group) for S5. ----
-  {
-    int n_miss = 0, n_sel = 0, n_evict = 0;
-    for (int base = k_begin; base < k_end; base += kWarpSize) {  // warp-uniform trip count
-      const int j = base + lane;
-      const int32_t q = j < k_end ? s_topk[j] : -1;
-      const bool v = is_valid(q);
-      const bool miss = v && s_sel[j] < 0;
-      n_sel += __popc(__ballot_sync(kFullMask, v));
-      const unsigned mm = __ballot_sync(kFullMask, miss);
-      n_miss += __popc(mm);
-      if (lane == 0) s_missmask[base / kWarpSize] = mm;
-    }
-    for (int base = b_begin; base < b_end; base += kWarpSize) {
-      const int qq = base + lane;
-      bool ev = false;
-      if (qq < b_end) {
-        const int s = s_lru[qq];
-        if (s < 0 || s >= kB) count_error(p.state);  // precondition: LRU is a permutation of [0, B)
-        ev = slot_is_evictable(s);
-      }
-      const unsigned em = __ballot_sync(kFullMask, ev);
-      n_evict += __popc(em);
-      if (lane == 0) s_evictmask[base / kWarpSize] = em;
-    }
-    if (lane == 0) {
-      s_wsum[warp] = n_miss;
-      s_wsum[kWarpSize + warp] = n_evict;
-      s_wsum[2 * kWarpSize + warp] = n_sel;
-    }
+  int n_miss = 0, n_sel = 0, n_evict = 0;
+  for (int base = w.k_begin; base < w.k_end; base += kWarpSize) {  // warp-uniform trip count
+    const int j = base + t.lane;
+    const int32_t q = j < w.k_end ? sm.topk[j] : -1;
+    const bool v = rq.is_valid(q);
+    const bool miss = v && sm.sel[j] < 0;
+    n_sel += __popc(__ballot_sync(kFullMask, v));
+    const unsigned mm = __ballot_sync(kFullMask, miss);
+    n_miss += __popc(mm);
+    if (t.lane == 0) sm.missmask[base / kWarpSize] = mm;
   }
-  __syncthreads();
-  HS_STAMP(5, clock64());
-
-  // ---- S4: scan of the warp counts; every warp computes it (lanes >= nw read 0). ----
-  int miss_off, evict_off, M, E, selected;
-  {
-    const int vm = lane < nw ? s_wsum[lane] : 0;
-    const int ve = lane < nw ? s_wsum[kWarpSize + lane] : 0;
-    const int vs = lane < nw ? s_wsum[2 * kWarpSize + lane] : 0;
-    const int im = warp_inclusive_scan(vm, lane);
-    const int ie = warp_inclusive_scan(ve, lane);
-    const int is = warp_inclusive_scan(vs, lane);
-    miss_off = __shfl_sync(kFullMask, im - vm, warp);
-    evict_off = __shfl_sync(kFullMask, ie - ve, warp);
-    M = __shfl_sync(kFullMask, im, kWarpSize - 1);
-    E = __shfl_sync(kFullMask, ie, kWarpSize - 1);
-    selected = __shfl_sync(kFullMask, is, kWarpSize - 1);
+  for (int base = w.b_begin; base < w.b_end; base += kWarpSize) {
+    const int qq = base + t.lane;
+    bool ev = false;
+    if (qq < w.b_end) {
+      const int s = sm.lru[qq];
+      if (s < 0 || s >= kB) count_error(p.state);  // precondition: LRU is a permutation of [0, B)
+      ev = slot_is_evictable(s);
+    }
+    const unsigned em = __ballot_sync(kFullMask, ev);
+    n_evict += __popc(em);
+    if (t.lane == 0) sm.evictmask[base / kWarpSize] = em;
   }
-  const int M_eff = M < E ? M : E;  // M <= E holds for valid input (B >= selections)
+  if (t.lane == 0) {
+    sm.wsum[t.warp] = n_miss;
+    sm.wsum[kWarpSize + t.warp] = n_evict;
+    sm.wsum[2 * kWarpSize + t.warp] = n_sel;
+  }
+}
+
+// S4: scan of the warp counts; every warp computes it (lanes >= nw read 0), so no barrier follows.
+template <int kB, int kTopK>
+__device__ __forceinline__ PlanCounts scan_counts(const PlanSmem<kB, kTopK>& sm, const PlanThread& t) {
+  PlanCounts c;
+  const int vm = t.lane < t.nw ? sm.wsum[t.lane] : 0;
+  const int ve = t.lane < t.nw ? sm.wsum[kWarpSize + t.lane] : 0;
+  const int vs = t.lane < t.nw ? sm.wsum[2 * kWarpSize + t.lane] : 0;
+  const int im = warp_inclusive_scan(vm, t.lane);
+  const int ie = warp_inclusive_scan(ve, t.lane);
+  const int is = warp_inclusive_scan(vs, t.lane);
+  c.miss_off = __shfl_sync(kFullMask, im - vm, t.warp);
+  c.evict_off = __shfl_sync(kFullMask, ie - ve, t.warp);
+  c.M = __shfl_sync(kFullMask, im, kWarpSize - 1);
+  c.E = __shfl_sync(kFullMask, ie, kWarpSize - 1);
+  c.selected = __shfl_sync(kFullMask, is, kWarpSize - 1);
+  c.M_eff = c.M < c.E ? c.M : c.E;  // M <= E holds for valid input (B >= selections)
+  return c;
+}
+
+// S4 (thread 0): the base of the request's rows in the flat miss list, into s_scalar[0] (read
+// after S5's barrier): its own rows i * top_k in self-copy mode, reserved atomically in copier mode.
+template <int kB, int kTopK>
+__device__ __forceinline__ void reserve_miss_rows(
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
+    const PlanCounts& c, const bool copier_mode) {
+  if (t.tid == 0) {
+    if (c.M > c.E) count_error(p.state);
+    uint32_t base = static_cast<uint32_t>(rq.i) * kTopK;  // self-copy mode: the request's own rows
+    if (copier_mode && c.M_eff > 0) base = atomicAdd(p.state + kStateTotalRows, static_cast<uint32_t>(c.M_eff));
+    sm.scalar[0] = static_cast<int32_t>(base);
+  }
+}
+
+// S5: ranks. Miss j gets rank m (top-k order); the evictable at LRU rank e gets rank e; the m-th
+// miss takes the m-th evictable. New LRU = [evictables e >= M][victims e < M][hits]. Starts the
+// host-row gathers of the misses (cp.async); complete with cp_async_wait_all() + __syncthreads().
+template <int kB, int kTopK, bool kSkipIO>
+__device__ __forceinline__ void rank_and_gather(
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
+    const PlanRequest& rq, const PlanCounts& c) {
   const bool need_host_rows = !kSkipIO || p.has_plan;
-  if (tid == 0) {
-    if (M > E) count_error(p.state);
-    uint32_t base = static_cast<uint32_t>(i) * kTopK;  // self-copy mode: the request's own rows
-    if (copier_mode && M_eff > 0) base = atomicAdd(p.state + kStateTotalRows, static_cast<uint32_t>(M_eff));
-    s_scalar[0] = static_cast<int32_t>(base);
-  }
-
-  // ---- S5: ranks. Miss j gets rank m (top-k order); the evictable at LRU rank e gets rank e; the
-  // m-th miss takes the m-th evictable. New LRU = [evictables e >= M][victims e < M][hits]. ----
-  {
-    int run = miss_off;
-    for (int base = k_begin; base < k_end; base += kWarpSize) {
-      const int j = base + lane;
-      const unsigned mask = s_missmask[base / kWarpSize];  // S3's ballot of this group
-      if ((mask >> lane) & 1u) {  // a miss (only this thread rewrites s_sel[j])
-        const int m = run + __popc(mask & lanes_below);
-        s_sel[j] = -2 - m;  // miss code
-        if (need_host_rows && m < M_eff) cp_async8(s_hostrow + m, host_loc_row + s_topk[j]);
-      }
-      run += __popc(mask);
+  int run = c.miss_off;
+  for (int base = w.k_begin; base < w.k_end; base += kWarpSize) {
+    const int j = base + t.lane;
+    const unsigned mask = sm.missmask[base / kWarpSize];  // S3's ballot of this group
+    if ((mask >> t.lane) & 1u) {  // a miss (only this thread rewrites s_sel[j])
+      const int m = run + __popc(mask & t.lanes_below);
+      sm.sel[j] = -2 - m;  // miss code
+      if (need_host_rows && m < c.M_eff) cp_async8(sm.hostrow + m, rq.host_loc_row + sm.topk[j]);
     }
-    run = evict_off;
-    for (int base = b_begin; base < b_end; base += kWarpSize) {
-      const int qq = base + lane;
-      const unsigned mask = s_evictmask[base / kWarpSize];
-      const bool ev = (mask >> lane) & 1u;
-      const int s = qq < b_end ? s_lru[qq] : -1;
-      const int e = run + __popc(mask & lanes_below);  // evictables before qq in LRU order
-      if (qq < b_end) {
-        int pos;
-        if (ev) {
-          pos = e >= M_eff ? e - M_eff : E - M_eff + e;
-          if (e < M_eff) s_vict[e] = static_cast<int16_t>(s);
-        } else {
-          pos = E + (qq - e);
-        }
-        s_newlru[pos] = static_cast<int16_t>(s);
-      }
-      run += __popc(mask);
-    }
+    run += __popc(mask);
   }
-  cp_async_wait_all();
-  __syncthreads();
-  HS_STAMP(6, clock64());
+  run = c.evict_off;
+  for (int base = w.b_begin; base < w.b_end; base += kWarpSize) {
+    const int qq = base + t.lane;
+    const unsigned mask = sm.evictmask[base / kWarpSize];
+    const bool ev = (mask >> t.lane) & 1u;
+    const int s = qq < w.b_end ? sm.lru[qq] : -1;
+    const int e = run + __popc(mask & t.lanes_below);  // evictables before qq in LRU order
+    if (qq < w.b_end) {
+      int pos;
+      if (ev) {
+        pos = e >= c.M_eff ? e - c.M_eff : c.E - c.M_eff + e;
+        if (e < c.M_eff) sm.vict[e] = static_cast<int16_t>(s);
+      } else {
+        pos = c.E + (qq - e);
+      }
+      sm.newlru[pos] = static_cast<int16_t>(s);
+    }
+    run += __popc(mask);
+  }
+}
 
-  // ---- S6: publish outputs in top-k order, victims' slot tokens, the miss list and plan. ----
-  const uint32_t base = static_cast<uint32_t>(s_scalar[0]);
-  int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(i) * p.plan_host_stride : nullptr;
-  int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(i) * p.plan_dev_stride : nullptr;
-  for (int j = tid; j < kTopK; j += nt) {
-    const int32_t q = s_topk[j];
-    const int32_t c = s_sel[j];
+// S6: publish outputs in top-k order, victims' slot tokens, the miss list and plan, the LRU row
+// and the counters. `base`: the request's first row in the flat miss list (S4).
+template <int kB, int kTopK, bool kSkipIO>
+__device__ __forceinline__ void publish(
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
+    const PlanCounts& c, const uint32_t base) {
+  const bool need_host_rows = !kSkipIO || p.has_plan;
+  int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(rq.i) * p.plan_host_stride : nullptr;
+  int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(rq.i) * p.plan_dev_stride : nullptr;
+  for (int j = t.tid; j < kTopK; j += t.nt) {
+    const int32_t q = sm.topk[j];
+    const int32_t code = sm.sel[j];
     int32_t o = -1;
     if (q < 0) {
       o = -1;
-    } else if (q == newest) {
-      o = s_hot[kB];
-    } else if (!is_valid(q)) {
+    } else if (q == rq.newest) {
+      o = sm.hot[kB];
+    } else if (!rq.is_valid(q)) {
       o = -1;
-    } else if (c >= 0) {
-      o = s_hot[c];
+    } else if (code >= 0) {
+      o = sm.hot[code];
     } else {
-      const int m = -2 - c;
-      if (m < M_eff) {
-        const int s = s_vict[m];
-        const int32_t dev_row = s_hot[s];
+      const int m = -2 - code;
+      if (m < c.M_eff) {
+        const int s = sm.vict[m];
+        const int32_t dev_row = sm.hot[s];
         o = dev_row;
-        tok_row[s] = q;
+        rq.tok_row[s] = q;
         if (need_host_rows) {
-          const int64_t host_row = s_hostrow[m];
+          const int64_t host_row = sm.hostrow[m];
           if constexpr (!kSkipIO) {
             p.flat_host[base + m] = host_row;
             p.flat_dev[base + m] = dev_row;
@@ -795,18 +883,91 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
         }
       }
     }
-    out_row[j] = o;
+    rq.out_row[j] = o;
   }
-  store_row(lru_row, s_newlru, kB, tid, nt);
-  if (tid == 0) {
-    if (p.has_plan) p.plan_counts[i] = M_eff;
+  store_row(rq.lru_row, sm.newlru, kB, t.tid, t.nt);
+  if (t.tid == 0) {
+    if (p.has_plan) p.plan_counts[rq.i] = c.M_eff;
     if (p.counters != nullptr) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters), static_cast<unsigned long long>(selected));
-      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters + 1), static_cast<unsigned long long>(M_eff));
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters), static_cast<unsigned long long>(c.selected));
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.counters + 1), static_cast<unsigned long long>(c.M_eff));
     }
   }
+}
+
+// The planner of request i: S0's row loads, the CTA-uniform exits (padded row, invalid row,
+// resident request, fast path), then the long path's stages S0-S6 separated by the CTA barriers
+// every stage relies on (docs/kernel.md, "Why no races"), then finish_planner.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+__device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
+  const PlanSmem<kB, kTopK> sm(smem);
+  const PlanThread t = plan_thread();
+  const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
+  int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
+
+  // ---- S0: the top-k row and the request's scalars do not depend on the request's tables (nor
+  // on num_real_reqs): start them first, so that their DRAM round trip overlaps the load of
+  // num_real_reqs. A padded row only reads (rows < num_reqs exist) and then exits. ----
+  stage_row(sm.topk, p.topk + static_cast<int64_t>(i) * p.topk_stride, kTopK, t.tid, t.nt);
+  const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
+  const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
+  if (i >= p.num_real_reqs[0]) {  // CTA-uniform: padded CUDA-graph row, writes nothing
+    cp_async_wait_all();
+    return;
+  }
+  HS_STAMP(1, clock64());
+
+  if (r < 0 || r >= p.table_rows) {  // CTA-uniform: not a valid request row
+    reject_request<kTopK>(p, i, out_row);
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+  // ---- Resident request: its own device rows; no IO, no table change (before the fast path). ----
+  if (p.resident != nullptr && p.resident[r] != 0) {  // CTA-uniform
+    resolve_resident<kTopK>(p, i, r, L, sm.topk, out_row);
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+  const int32_t* hot_row = p.hot_locs + r * p.hot_stride;
+
+  // ---- Fast path (L <= B): position q lives at slot q; no IO, no table change. ----
+  if (L <= kB) {  // CTA-uniform
+    resolve_short(p, i, L, hot_row, sm, out_row);
+    finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
+    return;
+  }
+
+  // ---- Long path (L > B). ----
+  const PlanRequest rq = long_request(p, i, r, L, hot_row, out_row);
+  stage_tables(sm, t, rq);  // S0 (long path): tables, hash table, selection map
+  cp_async_wait_all();
+  __syncthreads();
+  HS_STAMP(2, clock64());
+
+  insert_selection(p, sm, t, rq);  // S1
+  __syncthreads();
+  HS_STAMP(3, clock64());
+
+  find_hits(sm, t);  // S2
+  __syncthreads();
+  HS_STAMP(4, clock64());
+
+  const WarpRanges w = warp_ranges<kB, kTopK>(t);
+  count_misses(p, sm, t, w, rq);  // S3
+  __syncthreads();
+  HS_STAMP(5, clock64());
+
+  const PlanCounts c = scan_counts(sm, t);  // S4 (no barrier: every warp scans)
+  reserve_miss_rows(p, sm, t, rq, c, copier_mode);
+  rank_and_gather<kB, kTopK, kSkipIO>(p, sm, t, w, rq, c);  // S5
+  cp_async_wait_all();
+  __syncthreads();
+  HS_STAMP(6, clock64());
+
+  const uint32_t base = static_cast<uint32_t>(sm.scalar[0]);
+  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, c, base);  // S6
   HS_STAMP(7, clock64());
-  finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(M_eff));
+  finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(c.M_eff));
   HS_STAMP(8, clock64());
   HS_STAMP(11, global_timer_ns());
 }

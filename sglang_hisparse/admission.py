@@ -49,6 +49,15 @@ class Capacity:
         )
 
 
+def capacity_of(allocator, hot, host_pool) -> Capacity:
+    """The capacity of a server from its allocator, hot buffers and host pool."""
+    return Capacity(
+        device_rows=allocator.device_size, hot_buffer_rows=hot.padded, page_size=allocator.page_size,
+        logical_ids=allocator.logical_size, host_rows=host_pool.capacity_tokens,
+        device_buffer_size=hot.buffer_size, host_row_bytes=host_pool.get_size_per_token(),
+    )
+
+
 def capacity_line(capacity: Capacity) -> str:
     """The start-up capacity line of a server (the planner prints the same line for a plan)."""
     return (

@@ -235,14 +235,6 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
             self.logical_to_device[logical_ids] = 0
         return rows
 
-    def keep_pages_as_hot_buffer(self, logical_ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """A resident request's demotion: of its positions ``logical_ids`` (0..n-1, all mapped),
-        the pages with indices ``keep`` become hot-buffer rows (returned in that order), the
-        others are freed, and the mapping of every position is cleared."""
-        rows = self.rows.keep_pages(self.logical_to_device[logical_ids[:: self.page_size]], keep)
-        self.logical_to_device[logical_ids] = 0
-        return rows
-
     def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
         return self.rows.grow_hot_buffer(n_tokens)
 

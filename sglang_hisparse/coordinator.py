@@ -25,12 +25,13 @@ from typing import Any, List, Optional
 
 import torch
 
-from sglang_hisparse.admission import Capacity, capacity_line, check_startup
+from sglang_hisparse.admission import capacity_line, capacity_of, check_startup
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_mirror import HostMirror
 from sglang_hisparse.hot_buffers import HotBuffers
-from sglang_hisparse.prefetch import IndexSharePrefetch, model_topk_sources
+from sglang_hisparse.layers import LayerResolve
+from sglang_hisparse.prefetch import model_topk_sources
 from sglang_hisparse.pressure import ResidentDecode
 from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
@@ -70,7 +71,6 @@ class HiSparseCoordinator:
         self.allocator = token_to_kv_pool_allocator
         self.device_pool = self.allocator.get_kvcache()
         self.tp_group = tp_group
-        self._ranks = torch.distributed.get_world_size(group=tp_group)
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
                               buffer_size=device_buffer_size, device=device)
@@ -81,42 +81,35 @@ class HiSparseCoordinator:
         self.mem_pool_host, self.padded_buffer_size = self.mirror.pool, self.hot.padded
         self.req_to_host_pool, self.req_to_host_pool_allocated_len = self.mirror.row_table, self.mirror.rows_allocated
         self.allocator.configure(self.hot.padded, self.mirror.pool.capacity_tokens)
-        self.capacity = Capacity(
-            device_rows=self.allocator.device_size, hot_buffer_rows=self.hot.padded, page_size=self.allocator.page_size,
-            logical_ids=self.allocator.logical_size, host_rows=self.mirror.pool.capacity_tokens,
-            device_buffer_size=device_buffer_size, host_row_bytes=self.mirror.pool.get_size_per_token(),
-        )
+        self.capacity = capacity_of(self.allocator, self.hot, self.mirror.pool)
         check_startup(self.capacity)
         self._producer_stream = None
-        self.top_k_device_locs_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
         self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval, row_bytes=self.device_pool.row_bytes,
                                   free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool))
+        resolver = make_resolver(self.config, device, max_reqs, top_k)
+        resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
+        selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.residency: Optional[Residency] = None
         self._resident_decode: Optional[ResidentDecode] = None
         self._rows_now = self.hot.rows_of_positions
         if self.config.residency:
-            self._enable_residency(max_reqs, device)
-        self._resolve = make_resolver(self.config, device, max_reqs, top_k)
-        self._prefetch: Optional[IndexSharePrefetch] = None
-        if self.config.indexshare_prefetch and topk_sources is not None:
-            prefetch = IndexSharePrefetch(topk_sources, max_reqs=max_reqs, top_k=top_k, device=device,
-                                          replay=self._replay_onto)
-            self._prefetch = prefetch if prefetch.active() else None
-            if self._prefetch is not None:
-                logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
-        self._layer_resolvers = [self._bind_layer(layer) for layer in range(self.device_pool.layer_num)]
-        self._resolve.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
+            self._enable_residency(max_reqs, device, selections)
+        self._layers = LayerResolve(
+            resolver, layers=self.device_pool.layer_num, max_reqs=max_reqs, top_k=top_k, device=device, hot=self.hot,
+            mirror=self.mirror, device_pool=self.device_pool, counters=self.stats.counters,
+            num_real_reqs=self.num_real_reqs, skip_io=self.config.skip_io, out=selections,
+            topk_sources=topk_sources if self.config.indexshare_prefetch else None,
+            residency_tables=self._resident_decode.resolver_tables if self._resident_decode is not None else {})
         self._waiting_since: Optional[str] = None
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
-                    top_k, self.device_pool.layer_num, self._resolve.name, capacity_line(self.capacity))
+                    top_k, self.device_pool.layer_num, resolver.name, capacity_line(self.capacity))
 
-    def _enable_residency(self, max_reqs: int, device: torch.device) -> None:
+    def _enable_residency(self, max_reqs: int, device: torch.device, selections: torch.Tensor) -> None:
         self._resident_decode = ResidentDecode.build(
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
-            req_to_token=self.req_to_token_pool.req_to_token, selections=self.top_k_device_locs_buffer,
-            quiesce=self._wait_for_producer)
+            req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
         self.residency = self.stats.residency = self._resident_decode.residency
         self._rows_now = self._resident_decode.rows_now
 
@@ -157,7 +150,7 @@ class HiSparseCoordinator:
             return []
         copied = self.mirror.copied_prefix(block=self.config.wait_for_staging)
         ready = []
-        for req in copied[: self._agreed(len(copied))]:
+        for req in copied[: agreed_count(len(copied), self.tp_group)]:
             if not self._enter_decode(req):
                 self._log_waiting(req)
                 break
@@ -168,19 +161,16 @@ class HiSparseCoordinator:
         return ready
 
     def _enter_decode(self, req) -> bool:
-        """A staged request whose host copy is done keeps its prefill rows resident (residency
-        on and room above the watermark) or moves into a hot buffer, demoting resident requests
-        if that is what it takes. False, nothing changed, when neither fits yet."""
+        """A staged request whose host copy is done keeps its prefill rows resident (residency on
+        and room above the watermark) or moves into a hot buffer (demoting resident requests if
+        that is what it takes). False, nothing changed, when neither fits yet."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
-        if self.residency is not None and self.residency.admit(idx, n):
-            return True
         logical = self._logical_ids(req, n)
-        if self.hot.open(idx, logical, filled=True) is not None:
-            return True
-        if self._resident_decode is None:
-            return False
-        self._resident_decode.reclaim(self.hot.padded)
-        return self.hot.open(idx, logical, filled=True) is not None
+
+        def open_hot() -> bool:
+            return self.hot.open(idx, logical, filled=True) is not None
+
+        return open_hot() if self._resident_decode is None else self._resident_decode.enter(idx, n, open_hot)
 
     def admit_request_direct(self, req) -> None:
         """PD decode: the request's KV is already in its host rows. With residency and room, it
@@ -209,12 +199,8 @@ class HiSparseCoordinator:
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self.stats.note_decode_step(len(lens))
         self.mirror.write_through(idxs, lens, self._rows_now)
-        if self._resident_decode is not None:
-            rows = self._resident_decode.newest_rows(idxs, lens, req_pool_indices, seq_lens)
-        else:
-            self.hot.grow(idxs, lens)
-            rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
-        self.allocator.map_logical(out_cache_loc, rows)
+        newest = self.hot if self._resident_decode is None else self._resident_decode
+        self.allocator.map_logical(out_cache_loc, newest.newest_rows(idxs, lens, req_pool_indices, seq_lens))
 
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last write-through (it overwrites the newest slot)."""
@@ -222,35 +208,8 @@ class HiSparseCoordinator:
 
     def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
         """Resolve one layer's selection to device rows (int32 [num_reqs, top_k]). Graph safe:
-        reads ``num_real_reqs`` on device and writes the preallocated output buffer. With IndexShare
-        prefetch, a follower layer returns its source's rows once its copies are done."""
-        out = self.top_k_device_locs_buffer[: req_pool_indices.shape[0]]
-        prefetch = self._prefetch
-        if prefetch is not None and prefetch.is_follower(layer_id):
-            prefetch.join()
-            return out
-        source = prefetch is not None and prefetch.plan_for(layer_id) is not None
-        if source:
-            prefetch.before_source(self.stats.counters)
-        self._layer_resolvers[layer_id](top_k_result, seq_lens, req_pool_indices, out)
-        if source:
-            prefetch.after_source(layer_id, self.stats.counters, copy=not self.config.skip_io)
-        return out
-
-    def _bind_layer(self, layer_id: int):
-        """The resolver of one layer, its unchanging arguments checked once (start-up)."""
-        return self._resolve.bind(
-            hot_locs=self.hot.slot_rows, slot_tokens=self.hot.slot_positions[layer_id], lru=self.hot.recency[layer_id],
-            host_locs=self.mirror.row_table, host_kv=self.mirror.pool.kv_buffer[layer_id],
-            device_kv=self.device_pool.kv_buffer[layer_id], num_real_reqs=self.num_real_reqs,
-            device_buffer_size=self.hot.buffer_size, skip_io=self.config.skip_io, counters=self.stats.counters,
-            plan=self._prefetch.plan_for(layer_id) if self._prefetch is not None else None,
-            **(self._resident_decode.resolver_tables if self._resident_decode is not None else {}),
-        )
-
-    def _replay_onto(self, plan, layer_id: int) -> None:
-        self._resolve.replay(plan=plan, num_real_reqs=self.num_real_reqs,
-                             host_kv=self.mirror.pool.kv_buffer[layer_id], device_kv=self.device_pool.kv_buffer[layer_id])
+        reads ``num_real_reqs`` on device and writes a preallocated output buffer."""
+        return self._layers(layer_id, req_pool_indices, seq_lens, top_k_result)
 
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:
@@ -296,19 +255,20 @@ class HiSparseCoordinator:
         if self._producer_stream is not None:
             torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
 
-    def _agreed(self, count: int) -> int:
-        """The smallest ``count`` over the ranks (all ranks must admit the same requests)."""
-        if self._ranks == 1:
-            return count
-        value = torch.tensor(count, dtype=torch.int64)
-        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
-        return int(value)
-
     def _log_waiting(self, req) -> None:
         if self._waiting_since != req.rid:
             logger.info("sglang-hisparse: request %s waits in staging for device rows (%s)",
                         req.rid, self.allocator.debug_print())
             self._waiting_since = req.rid
+
+
+def agreed_count(count: int, group) -> int:
+    """The smallest ``count`` over the ranks of ``group`` (all ranks must admit the same requests)."""
+    if torch.distributed.get_world_size(group=group) == 1:
+        return count
+    value = torch.tensor(count, dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(value)
 
 
 def published_config(passed: tuple[int, int, int, int]) -> HiSparseConfig:

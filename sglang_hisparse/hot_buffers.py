@@ -90,6 +90,13 @@ class HotBuffers:
             self.capacity[idx] = have + add
             self.reserve[idx] -= add
 
+    def newest_rows(self, idxs: list[int], seq_lens: list[int], req_pool_indices: torch.Tensor,
+                    seq_lens_t: torch.Tensor) -> torch.Tensor:
+        """Before a step: grow short buffers (:meth:`grow`) and return each request's row (int64)
+        for its newest position ``seq_len - 1``."""
+        self.grow(idxs, seq_lens)
+        return self.rows_of_positions(req_pool_indices, seq_lens_t - 1)
+
     # --- lookups -----------------------------------------------------------------------------
     def rows_of_positions(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) now holding ``positions`` as the newest or a fast-path token:

@@ -51,6 +51,14 @@ class ResidentDecode:
         allocator.set_reclaimer(driver.reclaim, residency.reclaimable_rows)
         return driver
 
+    def enter(self, idx: int, n: int, open_hot: Callable[[], bool]) -> bool:
+        """A staged request of ``n`` positions enters decode: resident if the policy allows,
+        else through ``open_hot`` (its hot buffer), demoting resident requests if it does not fit."""
+        if self.residency.admit(idx, n) or open_hot():
+            return True
+        self.reclaim(self.hot.padded)
+        return open_hot()
+
     def rows_now(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) holding ``positions`` now: a resident request's own rows, else the
         hot-buffer slot of a newest or fast-path token."""
@@ -75,8 +83,7 @@ class ResidentDecode:
         for k, idx in enumerate(idxs):
             (resident if idx in residency.lengths else hot).append(k)
         if not resident:
-            self.hot.grow(idxs, lens)
-            return self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
+            return self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         own = residency.grow([idxs[k] for k in resident], [lens[k] for k in resident], self.req_to_token)
         if not hot:
             return own

@@ -195,7 +195,8 @@ class Residency:
             scores = (page_starts.view(-1, 1) // p == chosen.view(1, -1)).sum(1).double()
         keep = self.policy.pages_to_keep(scores, self.hot.padded // p)
         keep = torch.cat([keep[1:], keep[:1]])  # the least useful kept page holds the newest slot B
-        rows = self.allocator.keep_pages_as_hot_buffer(logical_ids, keep)
+        rows = self.allocator.rows.keep_pages(page_starts, keep)
+        self.allocator.unmap_logical(logical_ids)
         positions = (keep.view(-1, 1) * p + torch.arange(p, device=keep.device)).reshape(-1)
         positions = torch.where(positions < n, positions, -1)
         self.hot.open_with_rows(idx, rows, positions)

@@ -75,7 +75,7 @@ def test_padded_rows_are_untouched_and_finish_is_idempotent(gloo_world):
     reqs = [Request(uid=3, prompt_len=200), Request(uid=4, prompt_len=70)]
     run_to_decode(rig, reqs)
     assert rig.decode_step(reqs)
-    buffer = rig.coord.top_k_device_locs_buffer
+    buffer = rig.coord._layers.out
     buffer[2:4].fill_(-12345)
     rig.resolve_and_check(reqs, 0, [select(rng, r, rig.top_k, 0.5) for r in reqs], num_padded=2)
     assert buffer[2:4].eq(-12345).all()

@@ -63,7 +63,7 @@ def test_counters_equal_resolving_every_layer(gloo_world):
     totals = {}
     for prefetch in (True, False):
         rig = Rig(gloo_world, layers=2, topk_sources=[0, 0], indexshare_prefetch=prefetch)
-        assert (rig.coord._prefetch is not None) == prefetch
+        assert (rig.coord._layers.prefetch is not None) == prefetch
         rng = random.Random(9)
         req = Request(uid=5, prompt_len=500)
         assert rig.prefill(req)

@@ -1,0 +1,67 @@
+"""Per-layer resolution: each layer's bound resolver, IndexShare prefetch, the output rows.
+
+:class:`LayerResolve` is what ``swap_in_selected_pages`` delegates to. At start-up it binds every
+layer's resolver once (tables, KV buffers, counters, plan and residency tables checked once; a call
+checks only the batch) and, for an IndexShare model with prefetch on, wires the source layers'
+plans to their followers (:mod:`sglang_hisparse.prefetch`).
+
+Owned state: the bound resolvers and the prefetch. It writes the output rows ``out`` (int32
+[max_reqs, top_k], fixed address for CUDA graphs, passed in: residency reads a demoted request's
+last selections there; a follower layer returns its source's rows from it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sglang_hisparse.prefetch import IndexSharePrefetch
+from sglang_hisparse.resolver.dispatch import Resolver
+
+logger = logging.getLogger(__name__)
+
+
+class LayerResolve:
+    def __init__(self, resolver: Resolver, *, layers: int, max_reqs: int, top_k: int, device: torch.device,
+                 hot, mirror, device_pool, counters: torch.Tensor, num_real_reqs: torch.Tensor, skip_io: bool,
+                 out: torch.Tensor, topk_sources: Optional[list[int]], residency_tables: dict):
+        self.out = out
+        self._resolver = resolver
+        self._mirror, self._device_pool = mirror, device_pool
+        self._counters, self._num_real_reqs, self._skip_io = counters, num_real_reqs, skip_io
+        self.prefetch: Optional[IndexSharePrefetch] = None
+        if topk_sources is not None:
+            prefetch = IndexSharePrefetch(topk_sources, max_reqs=max_reqs, top_k=top_k, device=device,
+                                          replay=self._replay_onto)
+            if prefetch.active():
+                self.prefetch = prefetch
+                logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
+        self._layers = [resolver.bind(
+            hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer], lru=hot.recency[layer],
+            host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer], device_kv=device_pool.kv_buffer[layer],
+            num_real_reqs=num_real_reqs, device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
+            plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,
+        ) for layer in range(layers)]
+
+    def __call__(self, layer_id: int, req_pool_indices, seq_lens, top_k_result) -> torch.Tensor:
+        """Device rows (int32 [num_reqs, top_k]) of one layer's selection; a follower layer waits
+        for its replayed copies and returns its source's rows. Side effects: the resolver's."""
+        out = self.out[: req_pool_indices.shape[0]]
+        prefetch = self.prefetch
+        if prefetch is not None and prefetch.is_follower(layer_id):
+            prefetch.join()
+            return out
+        source = prefetch is not None and prefetch.plan_for(layer_id) is not None
+        if source:
+            prefetch.before_source(self._counters)
+        self._layers[layer_id](top_k_result, seq_lens, req_pool_indices, out)
+        if source:
+            prefetch.after_source(layer_id, self._counters, copy=not self._skip_io)
+        return out
+
+    def _replay_onto(self, plan, layer_id: int) -> None:
+        self._resolver.replay(plan=plan, num_real_reqs=self._num_real_reqs,
+                              host_kv=self._mirror.pool.kv_buffer[layer_id],
+                              device_kv=self._device_pool.kv_buffer[layer_id])
