@@ -555,35 +555,45 @@ __device__ __forceinline__ PlanThread plan_thread() {
   return t;
 }
 
-// A long request (seq_len > B) being planned: its index in the batch, its rows of the tables it
-// updates or reads in S0-S6, and which selected positions are valid.
+// A long request (seq_len > B) being planned: its index in the batch and its rows of the tables
+// that S0-S6 read or update.
 struct PlanRequest {
   int i;
-  int64_t newest;     // seq_len - 1: the position being decoded, its device row is hot locs [kB]
-  int64_t valid_end;  // a selection q is valid when 0 <= q < valid_end
   int32_t* tok_row;
   int16_t* lru_row;
   const int32_t* hot_row;
   const int64_t* host_loc_row;
   int32_t* out_row;
-
-  __device__ __forceinline__ bool is_valid(int32_t q) const {
-    return q >= 0 && static_cast<int64_t>(q) < valid_end;
-  }
 };
 
 __device__ __forceinline__ PlanRequest long_request(
-    const ResolveParams& p, const int i, const int64_t r, const int64_t L, const int32_t* hot_row, int32_t* out_row) {
+    const ResolveParams& p, const int i, const int64_t r, const int32_t* hot_row, int32_t* out_row) {
   PlanRequest rq;
   rq.i = i;
-  rq.newest = L - 1;
-  rq.valid_end = rq.newest < p.max_context ? rq.newest : p.max_context;
   rq.tok_row = p.slot_tokens + r * p.tok_stride;
   rq.lru_row = p.lru + r * p.lru_stride;
   rq.hot_row = hot_row;
   rq.host_loc_row = p.host_locs + r * p.host_locs_stride;
   rq.out_row = out_row;
   return rq;
+}
+
+// The positions of a long request: the newest (seq_len - 1, the one being decoded: its device row
+// is hot locs [B], it is neither hashed nor a miss) and the valid selections 0 <= q < valid_end.
+struct Positions {
+  int64_t newest;
+  int64_t valid_end;
+
+  __device__ __forceinline__ bool is_valid(int32_t q) const {
+    return q >= 0 && static_cast<int64_t>(q) < valid_end;
+  }
+};
+
+__device__ __forceinline__ Positions positions(const ResolveParams& p, const int64_t L) {
+  Positions pos;
+  pos.newest = L - 1;
+  pos.valid_end = pos.newest < p.max_context ? pos.newest : p.max_context;
+  return pos;
 }
 
 // Warp-contiguous element ranges (multiples of 32) of the two ballot scans (S3, S5): top-k
@@ -676,12 +686,12 @@ __device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK>& sm, cons
 // S1: insert every selected position (not padding, not the newest) into the hash table.
 template <int kB, int kTopK>
 __device__ __forceinline__ void insert_selection(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq) {
+    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const Positions& pos) {
   using Lay = PlanLayout<kB, kTopK>;
   for (int j = t.tid; j < kTopK; j += t.nt) {
     const int32_t q = sm.topk[j];
-    if (q < 0 || q == rq.newest) continue;
-    if (!rq.is_valid(q)) {
+    if (q < 0 || q == pos.newest) continue;
+    if (!pos.is_valid(q)) {
       count_error(p.state);  // precondition: positions < seq_len (and < max_context)
       continue;
     }
@@ -732,7 +742,7 @@ __device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK>& sm, const P
 template <int kB, int kTopK>
 __device__ __forceinline__ void count_misses(
     const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
-    const PlanRequest& rq) {
+    const Positions& pos) {
   // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
   auto slot_is_evictable = [&](int s) -> bool {
     if (s < 0 || s >= kB) return false;
@@ -743,7 +753,7 @@ __device__ __forceinline__ void count_misses(
   for (int base = w.k_begin; base < w.k_end; base += kWarpSize) {  // warp-uniform trip count
     const int j = base + t.lane;
     const int32_t q = j < w.k_end ? sm.topk[j] : -1;
-    const bool v = rq.is_valid(q);
+    const bool v = pos.is_valid(q);
     const bool miss = v && sm.sel[j] < 0;
     n_sel += __popc(__ballot_sync(kFullMask, v));
     const unsigned mm = __ballot_sync(kFullMask, miss);
@@ -847,7 +857,7 @@ __device__ __forceinline__ void rank_and_gather(
 template <int kB, int kTopK, bool kSkipIO>
 __device__ __forceinline__ void publish(
     const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
-    const PlanCounts& c, const uint32_t base) {
+    const Positions& pos, const PlanCounts& c, const uint32_t base) {
   const bool need_host_rows = !kSkipIO || p.has_plan;
   int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(rq.i) * p.plan_host_stride : nullptr;
   int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(rq.i) * p.plan_dev_stride : nullptr;
@@ -857,9 +867,9 @@ __device__ __forceinline__ void publish(
     int32_t o = -1;
     if (q < 0) {
       o = -1;
-    } else if (q == rq.newest) {
+    } else if (q == pos.newest) {
       o = sm.hot[kB];
-    } else if (!rq.is_valid(q)) {
+    } else if (!pos.is_valid(q)) {
       o = -1;
     } else if (code >= 0) {
       o = sm.hot[code];
@@ -938,13 +948,14 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   }
 
   // ---- Long path (L > B). ----
-  const PlanRequest rq = long_request(p, i, r, L, hot_row, out_row);
+  const PlanRequest rq = long_request(p, i, r, hot_row, out_row);
   stage_tables(sm, t, rq);  // S0 (long path): tables, hash table, selection map
   cp_async_wait_all();
   __syncthreads();
   HS_STAMP(2, clock64());
 
-  insert_selection(p, sm, t, rq);  // S1
+  const Positions pos = positions(p, L);
+  insert_selection(p, sm, t, pos);  // S1
   __syncthreads();
   HS_STAMP(3, clock64());
 
@@ -953,7 +964,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   HS_STAMP(4, clock64());
 
   const WarpRanges w = warp_ranges<kB, kTopK>(t);
-  count_misses(p, sm, t, w, rq);  // S3
+  count_misses(p, sm, t, w, pos);  // S3
   __syncthreads();
   HS_STAMP(5, clock64());
 
@@ -965,7 +976,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   HS_STAMP(6, clock64());
 
   const uint32_t base = static_cast<uint32_t>(sm.scalar[0]);
-  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, c, base);  // S6
+  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, pos, c, base);  // S6
   HS_STAMP(7, clock64());
   finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(c.M_eff));
   HS_STAMP(8, clock64());

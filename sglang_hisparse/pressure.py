@@ -5,11 +5,11 @@ policy) from the coordinator's protocol calls. It owns one piece of state: the b
 request slot in the last decode step (``batch_rows``), which says where that request's last
 selections are in the coordinator's resolver output when it is demoted.
 
-Ordering of a demotion (:meth:`ResidentDecode.demote_one`): the host first waits for nothing; the
-current stream is ordered after the forward in flight (``quiesce``: it may read the rows and write
-the selections), the request's newest position is written through to host, the next forward is
-ordered after that copy, and only then do the tables and the mapping change. So the host copy is
-complete before any row of the request is freed or reused.
+Ordering of a demotion (:meth:`ResidentDecode.demote`), with no host wait: the current stream is
+ordered after the forward in flight (``quiesce``: it may read the rows and write the selections),
+the request's newest position is written through to host, the next forward is ordered after that
+copy, and only then do the tables and the mapping change. So the host copy is complete before any
+row of the request is freed or reused.
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ class ResidentDecode:
         """Rows (int64) for each request's newest position ``seq_len - 1``, after demoting (policy)
         until the resident requests' new rows leave the watermark free. Hot buffers grow from
         their reserve, resident requests from the free rows."""
-        residency = self.residency
-        while residency.count() and (self.allocator.rows.room() - residency.rows_needed(idxs, lens)
-                                     < residency.policy.watermark_rows):
+        residency, rows = self.residency, self.allocator.rows
+        while residency.count() and rows.room() - residency.rows_needed(idxs, lens) < residency.policy.watermark_rows:
             if not self.demote_one():
                 break
+        for idx in residency.short_of_a_page(idxs, lens, rows.room()):  # growth itself must fit
+            self.demote(idx)
         self.batch_rows = {idx: i for i, idx in enumerate(idxs)}
         resident, hot = [], []
         for k, idx in enumerate(idxs):
@@ -105,7 +106,12 @@ class ResidentDecode:
         victims = residency.policy.victims(residency.reclaimable(), residency.lengths)
         if not victims:
             return False
-        idx = victims[0]
+        self.demote(victims[0])
+        return True
+
+    def demote(self, idx: int) -> None:
+        """Demote resident request slot ``idx`` (see the module docstring for the ordering)."""
+        residency = self.residency
         n = residency.lengths[idx]
         self.quiesce()
         self.mirror.write_through([idx], [n + 1], self.rows_now)  # host complete through n - 1
@@ -115,4 +121,3 @@ class ResidentDecode:
         residency.demote(idx, self.req_to_token[idx, :n].to(torch.int64), selected)
         logger.info("sglang-hisparse: request slot %d (%d tokens) demoted to a hot buffer (%s)", idx, n,
                     self.allocator.debug_print())
-        return True

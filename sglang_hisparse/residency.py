@@ -110,6 +110,24 @@ class Residency:
                 need += max(0, p - self._guarantee[idx])
         return need
 
+    def short_of_a_page(self, idxs: list[int], seq_lens: list[int], room: int) -> list[int]:
+        """The resident requests among ``idxs`` to demote so that the others' new pages fit in
+        ``room`` free rows (when demoting for rows left nothing to free: e.g. every resident
+        request holds exactly ``padded`` rows); longest first."""
+        p, need, short = self.page_size, 0, []
+        for idx, seq_len in zip(idxs, seq_lens):
+            if (seq_len - 1) % p == 0 and idx in self.lengths and self._guarantee[idx] < p:
+                need += p - self._guarantee[idx]
+                short.append(idx)
+        short.sort(key=lambda idx: -self.lengths[idx])
+        chosen = []
+        for idx in short:
+            if need <= room:
+                break
+            need -= p - self._guarantee[idx]
+            chosen.append(idx)
+        return chosen
+
     # --- into residency ----------------------------------------------------------------------
     def admit(self, idx: int, n: int) -> bool:
         """Keep request slot ``idx``'s ``n`` mapped prefill positions on the device, if the policy

@@ -198,3 +198,23 @@ def test_demoting_a_short_resident_request_fills_its_hot_buffer_from_its_guarant
     assert rig.coord.stats.totals()[1] > 0
     rig.release(req)
     assert rig.counts() == rig.initial_counts
+
+
+def test_a_resident_request_whose_page_cannot_fit_is_demoted_even_if_that_frees_nothing(gloo_world):
+    """A resident request holding exactly ``padded`` rows (its demotion frees none) reaches a page
+    boundary with no free row: it becomes a hot buffer of its own rows instead of failing."""
+    rig = Rig(gloo_world, device_rows=PAGE * 12, residency=True, residency_watermark=0.0)
+    rng = random.Random(13)
+    req = Request(uid=6, prompt_len=191)  # 3 pages = padded (B = 128)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    assert rig.coord.residency.holds(req.req_pool_idx)
+    decode(rig, [req], rng, steps=1)  # position 191: still in its third page
+    taken = rig.allocator.rows.pages.alloc_pages(rig.allocator.rows.pages.available_pages())  # no room left
+    decode(rig, [req], rng, steps=1)  # position 192 needs a page
+    assert rig.coord.hot.holds(req.req_pool_idx) and rig.coord.residency.demotions_total == 1
+    decode(rig, [req], rng, steps=10)
+    rig.allocator.rows.pages.free_pages_(taken)
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
