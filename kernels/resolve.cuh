@@ -590,10 +590,9 @@ struct Positions {
 };
 
 __device__ __forceinline__ Positions positions(const ResolveParams& p, const int64_t L) {
-  Positions pos;
-  pos.newest = L - 1;
-  pos.valid_end = pos.newest < p.max_context ? pos.newest : p.max_context;
-  return pos;
+  const int64_t newest = L - 1;
+  const int64_t valid_end = newest < p.max_context ? newest : p.max_context;
+  return Positions{newest, valid_end};
 }
 
 // Warp-contiguous element ranges (multiples of 32) of the two ballot scans (S3, S5): top-k
@@ -815,11 +814,10 @@ __device__ __forceinline__ void reserve_miss_rows(
 // S5: ranks. Miss j gets rank m (top-k order); the evictable at LRU rank e gets rank e; the m-th
 // miss takes the m-th evictable. New LRU = [evictables e >= M][victims e < M][hits]. Starts the
 // host-row gathers of the misses (cp.async); complete with cp_async_wait_all() + __syncthreads().
-template <int kB, int kTopK, bool kSkipIO>
+template <int kB, int kTopK>
 __device__ __forceinline__ void rank_and_gather(
     const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
-    const PlanRequest& rq, const PlanCounts& c) {
-  const bool need_host_rows = !kSkipIO || p.has_plan;
+    const PlanRequest& rq, const PlanCounts& c, const bool need_host_rows) {
   int run = c.miss_off;
   for (int base = w.k_begin; base < w.k_end; base += kWarpSize) {
     const int j = base + t.lane;
@@ -857,8 +855,7 @@ __device__ __forceinline__ void rank_and_gather(
 template <int kB, int kTopK, bool kSkipIO>
 __device__ __forceinline__ void publish(
     const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
-    const Positions& pos, const PlanCounts& c, const uint32_t base) {
-  const bool need_host_rows = !kSkipIO || p.has_plan;
+    const Positions& pos, const PlanCounts& c, const bool need_host_rows, const uint32_t base) {
   int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(rq.i) * p.plan_host_stride : nullptr;
   int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(rq.i) * p.plan_dev_stride : nullptr;
   for (int j = t.tid; j < kTopK; j += t.nt) {
@@ -969,14 +966,15 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   HS_STAMP(5, clock64());
 
   const PlanCounts c = scan_counts(sm, t);  // S4 (no barrier: every warp scans)
+  const bool need_host_rows = !kSkipIO || p.has_plan;  // the misses' host rows (miss list, plan)
   reserve_miss_rows(p, sm, t, rq, c, copier_mode);
-  rank_and_gather<kB, kTopK, kSkipIO>(p, sm, t, w, rq, c);  // S5
+  rank_and_gather(p, sm, t, w, rq, c, need_host_rows);  // S5
   cp_async_wait_all();
   __syncthreads();
   HS_STAMP(6, clock64());
 
   const uint32_t base = static_cast<uint32_t>(sm.scalar[0]);
-  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, pos, c, base);  // S6
+  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, pos, c, need_host_rows, base);  // S6
   HS_STAMP(7, clock64());
   finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(c.M_eff));
   HS_STAMP(8, clock64());
