@@ -101,28 +101,38 @@ def resolve_batched(
     result = torch.where(miss, dev_row, result)
     result = torch.where(newest & longr[:, None], hot[:, B : B + 1].expand(n, K), result)
 
-    mi, mj = miss.nonzero(as_tuple=True)
-    m_pos = pos[mi, mj]
-    m_slot = victim[mi, mj]
-    m_dev = dev_row[mi, mj]
-    m_host = host_locs[r[mi], m_pos]
-    if mi.numel() > 0:
-        slot_tokens[r[mi], m_slot] = m_pos.to(slot_tokens.dtype)
-        if not skip_io:
-            rows = host_kv.index_select(0, m_host.to(host_kv.device)).to(device_kv.device)
-            device_kv.index_copy_(0, m_dev.to(device_kv.device), rows)
+    _write_misses(miss, pos, victim, dev_row, r, host_locs=host_locs, host_kv=host_kv, device_kv=device_kv,
+                  slot_tokens=slot_tokens, skip_io=skip_io, plan_rows=None if plan is None else (plan, miss_rank))
     long_idx = longr.nonzero(as_tuple=True)[0]
     if long_idx.numel() > 0:
         lru[r[long_idx]] = new_order[long_idx].to(lru.dtype)
     out[:n] = result.to(out.dtype)
     if plan is not None:
         plan.counts[:n] = torch.where(longr, M, 0).to(plan.counts.dtype)
-        if mi.numel() > 0:
-            m_rank = miss_rank[mi, mj]
-            plan.host_rows[mi, m_rank] = m_host.to(plan.host_rows.dtype)
-            plan.device_rows[mi, m_rank] = m_dev.to(plan.device_rows.dtype)
     if counters is not None:
         counters += torch.stack([valid.sum(), M.sum()]).to(counters.device, counters.dtype)
+
+
+def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, dev_row: torch.Tensor,
+                  r: torch.Tensor, *, host_locs, host_kv, device_kv, slot_tokens, skip_io: bool,
+                  plan_rows: Optional[tuple]) -> None:
+    """Every miss (``miss`` [n, K]) takes its victim slot: the slot table learns the position, the
+    host row is copied into the slot's device row (unless ``skip_io``), and ``plan_rows``
+    ``(plan, miss_rank)`` records (host row, device row) at the miss's rank in top-k order."""
+    mi, mj = miss.nonzero(as_tuple=True)
+    if mi.numel() == 0:
+        return
+    m_pos, m_slot, m_dev = pos[mi, mj], victim[mi, mj], dev_row[mi, mj]
+    m_host = host_locs[r[mi], m_pos]
+    slot_tokens[r[mi], m_slot] = m_pos.to(slot_tokens.dtype)
+    if not skip_io:
+        rows = host_kv.index_select(0, m_host.to(host_kv.device)).to(device_kv.device)
+        device_kv.index_copy_(0, m_dev.to(device_kv.device), rows)
+    if plan_rows is not None:
+        plan, miss_rank = plan_rows
+        m_rank = miss_rank[mi, mj]
+        plan.host_rows[mi, m_rank] = m_host.to(plan.host_rows.dtype)
+        plan.device_rows[mi, m_rank] = m_dev.to(plan.device_rows.dtype)
 
 
 def _resident_rows(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, req_to_token: torch.Tensor,
