@@ -12,9 +12,12 @@ protocol; names are SGLang's): methods ``set_decode_producer_stream``, ``destroy
 The work is done by components with one owner each (docs/design.md, "Ownership"):
 :class:`~sglang_hisparse.host_mirror.HostMirror` (host rows, staging, write-through),
 :class:`~sglang_hisparse.hot_buffers.HotBuffers` (hot-buffer rows and per-layer slot tables),
-:class:`~sglang_hisparse.stats.ResolveStats` (counters, step lines, idle reports) and the
-resolver chosen at start-up. The allocator (ids, rows, mapping) and the device pool are SGLang's
-objects of our classes, passed in. This class holds only the per-step resolver buffers.
+:class:`~sglang_hisparse.stats.ResolveStats` (counters, step lines, idle reports),
+:class:`~sglang_hisparse.layers.LayerResolve` (each layer's bound resolver, IndexShare prefetch)
+and, with residency on, :class:`~sglang_hisparse.pressure.ResidentDecode`. The allocator (ids,
+rows, mapping) and the device pool are SGLang's objects of our classes, passed in. This class
+holds only the per-step buffers SGLang reads or that two components share (``num_real_reqs``,
+``raw_indices_buffer``, the resolver output).
 """
 
 from __future__ import annotations
