@@ -203,12 +203,11 @@ def test_host_pool_exhaustion_makes_admission_wait_not_crash(gloo_world, caplog)
     assert rig.counts() == rig.initial_counts
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0))
-def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, seed, overlap):
-    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24)
-    rng = random.Random(seed)
-    waiting = [Request(uid=1000 + i, prompt_len=rng.choice([10, 64, 100, 129, 200, 350])) for i in range(10)]
+def run_random_lifecycle(rig: Rig, rng: random.Random, overlap: float, *, lengths: list[int], finish_after: int) -> None:
+    """60 random scheduler actions over 10 requests of the given prompt lengths (prefill and stage,
+    collect, abort or retract at any stage, decode steps with every selection checked against
+    the true KV, finishing past ``finish_after`` tokens), then every live request leaves."""
+    waiting = [Request(uid=1000 + i, prompt_len=rng.choice(lengths)) for i in range(10)]
     live: list[Request] = []
     for _ in range(60):
         action = rng.random()
@@ -230,9 +229,16 @@ def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, seed, overlap
                 for layer in range(rig.layers):
                     rig.resolve_and_check(decoding, layer, [select(rng, r, rig.top_k, overlap) for r in decoding])
                 for r in list(decoding):
-                    if r.seq_len > 420:
+                    if r.seq_len > finish_after:
                         live.remove(r)
                         rig.release(r)
     for r in live:
         rig.release(r, retract=rng.random() < 0.5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0))
+def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, seed, overlap):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24)
+    run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350], finish_after=420)
     assert rig.counts() == rig.initial_counts

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
-from test_coordinator_lifecycle import select
+from test_coordinator_lifecycle import run_random_lifecycle, select
 
 from sglang_hisparse.residency import ResidencyPolicy
 
@@ -147,34 +147,7 @@ def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages()
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
 def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, seed, overlap, watermark):
     rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark)
-    rng = random.Random(seed)
-    waiting = [Request(uid=1000 + i, prompt_len=rng.choice([10, 64, 100, 129, 200, 350, 600])) for i in range(10)]
-    live: list[Request] = []
-    for _ in range(60):
-        action = rng.random()
-        if waiting and action < 0.25:
-            req = waiting[0]
-            if rig.prefill(req):
-                waiting.pop(0)
-                live.append(req)
-                rig.stage(req)
-        elif action < 0.35:
-            rig.collect()
-        elif action < 0.45 and live:
-            victim = rng.choice(live)
-            live.remove(victim)
-            rig.release(victim, retract=rng.random() < 0.5)
-        else:
-            decoding = [r for r in live if r.state == "decoding"]
-            if decoding and rig.decode_step(decoding):
-                for layer in range(rig.layers):
-                    rig.resolve_and_check(decoding, layer, [select(rng, r, rig.top_k, overlap) for r in decoding])
-                for r in list(decoding):
-                    if r.seq_len > 700:
-                        live.remove(r)
-                        rig.release(r)
-    for r in live:
-        rig.release(r, retract=rng.random() < 0.5)
+    run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350, 600], finish_after=700)
     assert rig.counts() == rig.initial_counts
 
 
