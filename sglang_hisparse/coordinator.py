@@ -94,9 +94,7 @@ class HiSparseCoordinator:
         resolver = make_resolver(self.config, device, max_reqs, top_k)
         resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
-        self.residency: Optional[Residency] = None
         self._resident_decode: Optional[ResidentDecode] = None
-        self._rows_now = self.hot.rows_of_positions
         if self.config.residency:
             self._enable_residency(max_reqs, device, selections)
         self._layers = LayerResolve(
@@ -113,8 +111,12 @@ class HiSparseCoordinator:
         self._resident_decode = ResidentDecode.build(
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
-        self.residency = self.stats.residency = self._resident_decode.residency
-        self._rows_now = self._resident_decode.rows_now
+        self.stats.residency = self._resident_decode.residency
+
+    @property
+    def residency(self) -> Optional[Residency]:
+        """Resident request slots and their rows (None with residency off)."""
+        return None if self._resident_decode is None else self._resident_decode.residency
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
@@ -201,7 +203,7 @@ class HiSparseCoordinator:
         through to host, grow short buffers, and map the new token's logical id to its newest slot."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self.stats.note_decode_step(len(lens))
-        self.mirror.write_through(idxs, lens, self._rows_now)
+        self.mirror.write_through(idxs, lens, self.device_rows_now)
         newest = self.hot if self._resident_decode is None else self._resident_decode
         self.allocator.map_logical(out_cache_loc, newest.newest_rows(idxs, lens, req_pool_indices, seq_lens))
 
@@ -247,7 +249,9 @@ class HiSparseCoordinator:
     def device_rows_now(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) holding ``positions`` of decoding requests now (a resident
         request's own rows, else its newest or fast-path hot-buffer slot)."""
-        return self._rows_now(req_pool_idx, positions)
+        if self._resident_decode is None:
+            return self.hot.rows_of_positions(req_pool_idx, positions)
+        return self._resident_decode.rows_now(req_pool_idx, positions)
 
     # --- helpers -----------------------------------------------------------------------------
     def _logical_ids(self, req, n: int) -> torch.Tensor:

@@ -65,7 +65,7 @@ class ResidentDecode:
         rows = self.hot.rows_of_positions(req_pool_idx, positions)
         if not self.residency.count():
             return rows
-        own = self.allocator.logical_to_device[self.req_to_token[req_pool_idx, positions].to(torch.int64)]
+        own = self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
         return torch.where(self.residency.flags[req_pool_idx].bool(), own, rows)
 
     def newest_rows(self, idxs: list[int], lens: list[int], req_pool_indices: torch.Tensor,

@@ -160,6 +160,11 @@ class Residency:
         self.admitted_total += 1
 
     # --- decode ------------------------------------------------------------------------------
+    def own_rows(self, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The device rows (int64) of resident requests' ``positions``: their mapped logical ids'
+        rows (``req_to_token`` is SGLang's position -> logical id table)."""
+        return self.allocator.logical_to_device[req_to_token[req_pool_idx, positions].to(torch.int64)]
+
     def grow(self, idxs: list[int], seq_lens: list[int], logical_of: torch.Tensor) -> torch.Tensor:
         """Rows (int64, one per entry of ``idxs``, all resident, each one token longer than
         before) for each request's newest position ``seq_len - 1``: the next row of its last page,
@@ -176,8 +181,7 @@ class Residency:
                 self._guarantee[idx] -= from_guarantee
                 new_page.append(k)
         device = logical_of.device
-        previous = logical_of[torch.tensor(idxs, device=device), torch.tensor(seq_lens, device=device) - 2]
-        newest = self.allocator.logical_to_device[previous.to(torch.int64)] + 1
+        newest = self.own_rows(logical_of, torch.tensor(idxs, device=device), torch.tensor(seq_lens, device=device) - 2) + 1
         if new_page:
             pages = rows.pages.alloc_pages(len(new_page))
             assert pages is not None, "resident growth beyond the free rows (pressure relief failed)"

@@ -23,13 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang_hisparse.resolver.reference import MissPlan, residency_tables
-
-
-def _num_real(num_real_reqs: Union[int, torch.Tensor]) -> int:
-    if isinstance(num_real_reqs, torch.Tensor):
-        return int(num_real_reqs.reshape(-1)[0])
-    return int(num_real_reqs)
+from sglang_hisparse.resolver.reference import MissPlan, real_count, residency_tables
 
 
 def resolve_batched(
@@ -60,7 +54,7 @@ def resolve_batched(
     residency tables (``resident``, ``req_to_token``, ``logical_to_device``: all three or none).
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
-    n = _num_real(num_real_reqs)
+    n = real_count(num_real_reqs)
     if n <= 0:
         return
     B = int(device_buffer_size)
@@ -194,7 +188,7 @@ def replay_plan_batched(
     *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv: torch.Tensor, device_kv: torch.Tensor
 ) -> None:
     """Copy-only replay of a miss plan (semantics of ``reference.replay_plan_reference``)."""
-    n = _num_real(num_real_reqs)
+    n = real_count(num_real_reqs)
     if n <= 0:
         return
     counts = plan.counts[:n].long()

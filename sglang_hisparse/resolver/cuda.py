@@ -305,8 +305,9 @@ class _Static:
 
 def _validate_static(
     *, hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, device_buffer_size: int, top_k: int,
-    skip_io: bool, plan: Optional[MissPlan], counters: Optional[torch.Tensor], residency: Optional[tuple],
-    workspace: ResolveWorkspace, block_size: Optional[int], num_copiers: Optional[int],
+    workspace: ResolveWorkspace, residency: Optional[tuple] = None, skip_io: bool = False,
+    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
+    num_copiers: Optional[int] = None,
 ) -> _Static:
     """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
     B, device = int(device_buffer_size), workspace.device
@@ -469,8 +470,7 @@ def bind_resolve_cuda(
     _check(isinstance(num_real_reqs, torch.Tensor), "a bound resolver needs num_real_reqs as a device tensor")
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
     fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency,
-                             workspace=workspace, **{"plan": None, "counters": None, "skip_io": False,
-                                                     "block_size": None, "num_copiers": None, **static})
+                             workspace=workspace, **static)
     fn = _kernel(fixed, int(device_buffer_size), top_k)
     plan = static.get("plan")
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.resolver.reference import replay_plan_reference, resolve_reference
 
 Impl = Literal["cuda", "reference"]
 
@@ -98,8 +99,6 @@ def resolve_layer(
         resolve_cuda(workspace=workspace, block_size=block_size, **kwargs)
         return
     if impl == "reference":
-        from sglang_hisparse.resolver.reference import resolve_reference
-
         resolve_reference(**kwargs)
         return
     raise ValueError(f"unknown resolver {impl!r}")
@@ -109,13 +108,11 @@ def resolve_layer(
 class Resolver:
     """A named resolve function with a start-up hook (JIT build before CUDA-graph capture).
 
-    The coordinator holds one; calling it resolves one layer (keywords of
-    ``reference.resolve_reference``).
+    The coordinator holds one and binds each layer's resolver from it (:meth:`bind`).
     """
 
-    def __init__(self, name: str, fn, warmup, replay, bind):
+    def __init__(self, name: str, warmup, replay, bind):
         self.name = name
-        self._fn = fn
         self._warmup = warmup
         self._replay = replay
         self._bind = bind
@@ -126,9 +123,6 @@ class Resolver:
         ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``. Call after :meth:`warmup`."""
         return self._bind(**static)
 
-    def __call__(self, **kwargs: Any) -> None:
-        self._fn(**kwargs)
-
     def replay(self, *, plan, num_real_reqs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor) -> None:
         """Copy-only replay of a miss plan onto another layer's KV (``reference.replay_plan_reference``)."""
         self._replay(plan=plan, num_real_reqs=num_real_reqs, host_kv=host_kv, device_kv=device_kv)
@@ -138,16 +132,17 @@ class Resolver:
 
 
 def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k: int) -> Resolver:
-    """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`, every
-    call going through :func:`resolve_layer`.
+    """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`.
 
-    For the kernel, allocates its workspace once (fixed addresses for CUDA graphs) and passes the
-    configured block size on every call; ``warmup`` JIT-builds the variant the server needs.
+    For the kernel, allocates its workspace once (fixed addresses for CUDA graphs), binds layers
+    with the configured block size (``resolver.cuda.bind_resolve_cuda``) and replays plans with
+    ``replay_plan_cuda``; ``warmup`` JIT-builds the variants the server needs. For the reference,
+    ``reference.resolve_reference`` and ``replay_plan_reference``.
     """
     impl = choose_resolver(config.resolver, platform_of(device))
     workspace = None
     warmup = lambda *_: None  # noqa: E731 - the reference needs no build
-    replay = _replay_reference
+    replay = replay_plan_reference
     bind = _bind_reference
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
@@ -163,22 +158,12 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
             return cuda_resolver.bind_resolve_cuda(workspace=workspace, block_size=config.swap_in_block_size,
                                                    top_k=top_k, **static)
 
-    resolve = functools.partial(resolve_layer, impl, workspace=workspace, block_size=config.swap_in_block_size)
-    return Resolver(impl, resolve, warmup, replay, bind)
+    return Resolver(impl, warmup, replay, bind)
 
 
 def _bind_reference(**static: Any):
-    from sglang_hisparse.resolver.reference import resolve_reference
-
     def resolve(top_k_positions, seq_lens, req_pool_indices, out) -> None:
         resolve_reference(top_k_positions=top_k_positions, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
                           out=out, **static)
 
     return resolve
-
-
-def _replay_reference(*, num_real_reqs, **kwargs: Any) -> None:
-    from sglang_hisparse.resolver.reference import replay_plan_reference
-
-    count = int(num_real_reqs.reshape(-1)[0]) if isinstance(num_real_reqs, torch.Tensor) else int(num_real_reqs)
-    replay_plan_reference(num_real_reqs=count, **kwargs)

@@ -104,8 +104,7 @@ def resolve_reference(
             table) and ``logical_to_device`` (int64, logical id -> device row). All three or none.
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
-    if isinstance(num_real_reqs, torch.Tensor):
-        num_real_reqs = int(num_real_reqs.reshape(-1)[0])
+    num_real_reqs = real_count(num_real_reqs)
     stats = ResolveStats()
     row_bytes = device_kv[0].numel() * device_kv.element_size()
     for i in range(num_real_reqs):
@@ -136,6 +135,13 @@ def resolve_reference(
         counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype,
                                  device=counters.device)
     return stats
+
+
+def real_count(num_real_reqs: Union[int, torch.Tensor]) -> int:
+    """The number of real rows, given as an int or as an int32 [1] tensor (CUDA graphs)."""
+    if isinstance(num_real_reqs, torch.Tensor):
+        return int(num_real_reqs.reshape(-1)[0])
+    return int(num_real_reqs)
 
 
 def residency_tables(resident, req_to_token, logical_to_device):
@@ -189,11 +195,12 @@ def _resolve_request(
 
 
 def replay_plan_reference(
-    *, plan: MissPlan, num_real_reqs: int, host_kv: torch.Tensor, device_kv: torch.Tensor
+    *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv: torch.Tensor, device_kv: torch.Tensor
 ) -> int:
-    """Copy-only replay of a miss plan on another layer's buffers. Returns bytes copied."""
+    """Copy-only replay of a miss plan on another layer's buffers (``num_real_reqs``: an int or
+    an int32 [1] tensor, as for the resolve). Returns bytes copied."""
     copied = 0
-    for i in range(num_real_reqs):
+    for i in range(real_count(num_real_reqs)):
         n = int(plan.counts[i])
         if n == 0:
             continue
