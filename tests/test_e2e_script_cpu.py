@@ -29,7 +29,8 @@ def cpu_e2e(tmp_path, monkeypatch):
     asked: list[tuple] = []
 
     def launch(impl, *, buffer, ratio, graph, max_total_tokens, max_running, log_dir, stats_interval=0,
-               graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa", more_flags=()):
+               graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa", more_flags=(),
+               kv_dtype="bfloat16"):
         # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them), and
         # without overlap scheduling whatever ``overlap`` asks (``asked`` records what was asked)
         config = e2e.hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging)
@@ -86,6 +87,7 @@ def test_model_no_overlap_and_wait_for_staging_reach_the_servers_and_the_rows(cp
     assert row.get("error") is None, row
     assert row["overlap_schedule"] is False and row["wait_for_staging"] is True
     assert row["model"] == "tiny-dsa-indexshare"
+    assert row["kv_dtype"] == "bfloat16" and row["speculative"] is None
     (base_name, base_overlap, base_config), (name, overlap, config) = asked
     assert base_name.startswith("none") and base_config is None and base_overlap is False
     assert name.startswith("ours") and overlap is False and json.loads(config)["wait_for_staging"] is True

@@ -85,6 +85,13 @@ def test_e2e_config_syntax():
     fixed = e2e.flags(True, 524288, 18, graph_bs=18)
     assert fixed[fixed.index("--cuda-graph-bs") + 1] == "18" and "--disable-cuda-graph" not in fixed
     assert "--disable-cuda-graph" in e2e.flags(False, 524288, 18)
+    fp8 = e2e.flags(True, 524288, 18, kv_dtype="fp8_e4m3")
+    assert fp8[fp8.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert fp8[fp8.index("--dsa-decode-backend") + 1] == fp8[fp8.index("--dsa-prefill-backend") + 1] == "flashmla_kv"
+    with pytest.raises(ValueError, match="bfloat16, fp8_e4m3"):
+        e2e.flags(True, 524288, 18, kv_dtype="fp8_e5m2")
+    args = e2e.build_parser().parse_args(["exactness", "--kv-dtype", "fp8_e4m3", "--out", "x.json"])
+    assert args.kv_dtype == "fp8_e4m3"
     for bad, message in (("ours:4096:2", "graph mode"), ("ours:4096:F", "graph mode"), ("mine:4096:1", "impl"),
                          ("ours:4096:1:racing", "workload"), ("ours:4096", "impl:B:graph")):
         with pytest.raises(ValueError, match=message):
@@ -177,29 +184,34 @@ def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     def run(rate, miss=None):
         return {"decode_tok_s": rate, "tpot_ms": 1000 / rate, "max_running": 4, "miss_rate": miss}
 
-    def fragment(call, rows):
+    def fragment(call, rows, kv_dtype=None):
         (tmp_path / call).mkdir()
         data = {"model": "m", "layers": 2, "context": 100, "rows": [sweep.summarize(*r) for r in rows],
                 "layer_timing": [{"concurrency": 1, "tpot_ms": 2.0, "per_layer_ms": 1.0}]}
+        if kv_dtype:  # fragments written before the option have no kv_dtype: they are bf16
+            data["kv_dtype"] = kv_dtype
         (tmp_path / call / "s.json").write_text(json.dumps(data))
         return (f"{call}/s.json", f"command of {call}")
 
     fragments = [fragment("gpu_runA", [("ours", "realistic", 4, [run(100.0, 0.2), run(110.0, 0.1)])]),
                  fragment("gpu_runB", [("ours", "realistic", 4, [run(90.0, 0.3)]), ("none", "none", 4, [run(50.0)])]),
-                 fragment("gpu_runC", [("ours", "realistic", 4, [run(10.0, 0.9)])])]
+                 fragment("gpu_runC", [("ours", "realistic", 4, [run(10.0, 0.9)])]),
+                 fragment("gpu_runD", [("ours", "realistic", 4, [run(200.0, 0.2)])], kv_dtype="fp8_e4m3")]
     perf_report.LOCALITY_LABELS["gpu_runC"] = {"realistic": "old"}
     try:
         perf = perf_report.merge(fragments, results=tmp_path)
     finally:
         del perf_report.LOCALITY_LABELS["gpu_runC"]
-    rows = {(r["impl"], r["locality"]): r for r in perf["rows"]}
+    fp8 = [r for r in perf["rows"] if r["kv_dtype"] == "fp8_e4m3"]
+    assert [(r["impl"], r["decode_tok_s"], r["runs_from"]) for r in fp8] == [("ours", 200.0, ["gpu_runD"])]
+    rows = {(r["impl"], r["locality"]): r for r in perf["rows"] if r["kv_dtype"] == "bfloat16"}
     assert sorted(rows) == [("none", "none"), ("ours", "old"), ("ours", "realistic")]
     pooled = rows[("ours", "realistic")]
     assert (pooled["repeats"], pooled["decode_tok_s"], pooled["decode_tok_s_spread"]) == (3, 100.0, [90.0, 110.0])
     assert pooled["miss_rate"] == 0.2 and pooled["runs_from"] == ["gpu_runA", "gpu_runB"]
     assert rows[("none", "none")]["miss_rate"] is None and rows[("ours", "old")]["decode_tok_s"] == 10.0
-    assert perf["commands"] == ["command of gpu_runA", "command of gpu_runB", "command of gpu_runC"]
-    assert len(perf["layer_timing"]) == 3 and perf["layer_timing"][0]["run"] == "gpu_runA"
+    assert perf["commands"] == [f"command of gpu_run{c}" for c in "ABCD"]
+    assert len(perf["layer_timing"]) == 4 and perf["layer_timing"][0]["run"] == "gpu_runA"
     assert sweep.parse_points("ours_noio:realistic,none") == [("ours_noio", "realistic"), ("none", "none")]
     with pytest.raises(ValueError, match="none, upstream, ours, ours_noio"):
         sweep.parse_points("mine:realistic")

@@ -51,11 +51,19 @@ def parse_graph(mode: str) -> tuple[bool, int | None]:
     raise ValueError(f"graph mode must be 0, 1 or F<n> (fixed capture size), got {mode!r}")
 
 
+KV_DTYPES = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
+"""KV cache dtypes of the suite and the DSA prefill/decode backend each runs with (SGLang 0.5.17's
+HiSparse and ours accept fp8_e4m3 KV with FlashMLA KV only: sglang_hisparse/server_checks.py)."""
+
+
 def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | None = None,
-          overlap: bool = True) -> list[str]:
+          overlap: bool = True, kv_dtype: str = "bfloat16") -> list[str]:
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    backend = KV_DTYPES[kv_dtype]
     args = [
-        "--trust-remote-code", "--kv-cache-dtype", "bfloat16", "--mem-fraction-static", "0.4",
-        "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+        "--trust-remote-code", "--kv-cache-dtype", kv_dtype, "--mem-fraction-static", "0.4",
+        "--dsa-prefill-backend", backend, "--dsa-decode-backend", backend,
         "--dsa-topk-backend", "torch", "--context-length", "65536", "--grammar-backend", "none",
         "--max-running-requests", str(max_running), "--decode-log-interval", "1",
     ]
@@ -108,7 +116,7 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
            log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "",
            overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa",
-           more_flags: tuple[str, ...] = ()) -> Server:
+           more_flags: tuple[str, ...] = (), kv_dtype: str = "bfloat16") -> Server:
     """Start one server of ``model`` (a directory under sglang_hisparse/testing/models); its log is
     ``<log_dir>/<server_name(...)>.log``."""
     env = dict(ENV)
@@ -116,7 +124,7 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
         env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
     return start_server(
         model=model, hisparse_config=hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging),
-        extra_args=flags(graph, max_total_tokens, max_running, graph_bs, overlap) + list(more_flags),
+        extra_args=flags(graph, max_total_tokens, max_running, graph_bs, overlap, kv_dtype) + list(more_flags),
         env=env, log_dir=log_dir, cpu=False, name=server_name(impl, buffer, graph, graph_bs, tag),
         max_total_tokens=max_total_tokens, ready_timeout=420,
     )
@@ -217,8 +225,9 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
     server = launch(impl, buffer=buffer, ratio=args.ratio, graph=graph, max_total_tokens=args.max_total_tokens,
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix, overlap=not args.no_overlap,
-                    wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model)
-    tag = f"{impl} B={buffer} graph={graph_mode} {workload}"
+                    wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model,
+                    kv_dtype=args.kv_dtype)
+    tag = f"{impl} B={buffer} graph={graph_mode} {workload} {args.kv_dtype}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
         before = len(server.idle_reports())
@@ -265,7 +274,8 @@ def exactness(args) -> dict:
                 baselines[key], _, traces[key] = run_workload("none", buffer, graph_mode, workload, args)
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
-            row = {**head, "lockstep": workload == "lockstep", "model": args.model, "overlap_schedule": not args.no_overlap,
+            row = {**head, "lockstep": workload == "lockstep", "model": args.model, "kv_dtype": args.kv_dtype,
+                   "speculative": None, "overlap_schedule": not args.no_overlap,
                    "wait_for_staging": args.wait_for_staging and impl in OURS, "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
@@ -413,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-total-tokens", type=int, default=524288)
     e.add_argument("--model", default="tiny-dsa", choices=["tiny-dsa", "tiny-dsa-indexshare"],
                    help="tiny-dsa-indexshare: index_topk_freq 2 (every second layer reuses the previous top-k)")
+    e.add_argument("--kv-dtype", default="bfloat16", choices=sorted(KV_DTYPES),
+                   help="KV cache dtype of every server (the baseline too); fp8_e4m3 runs FlashMLA KV")
     e.add_argument("--no-overlap", action="store_true",
                    help="every server (the baseline too) with --disable-overlap-schedule")
     e.add_argument("--wait-for-staging", action="store_true",

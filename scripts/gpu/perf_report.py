@@ -41,7 +41,7 @@ LOCALITY_LABELS = {"gpu_run23": {"realistic": "first-dial-s8"}}
 
 def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
     """perf.json's content from the fragments (pure apart from reading them). Runs of the same
-    (model, impl, locality, concurrency) from several calls are pooled into one row: its repeats,
+    (model, impl, locality, concurrency, KV dtype) from several calls are pooled into one row: its repeats,
     median and spread cover them all, and ``runs_from`` names the calls."""
     pooled: dict[tuple, dict] = {}
     timing = []
@@ -50,15 +50,16 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
         run = path.split("/")[0]
         labels = LOCALITY_LABELS.get(run, {})
         for row in data["rows"]:
-            key = (data["model"], row["impl"], labels.get(row["locality"], row["locality"]), row["concurrency"])
+            key = (data["model"], row["impl"], labels.get(row["locality"], row["locality"]), row["concurrency"],
+                   data.get("kv_dtype", "bfloat16"))  # fragments before the fp8 option are bf16
             entry = pooled.setdefault(key, {"runs": [], "runs_from": [], "context": data["context"]})
             entry["runs"] += row["runs"]
             entry["runs_from"].append(run)
         for t in data.get("layer_timing", []):
             timing.append(t | {"model": data["model"], "layers": data["layers"], "run": run})
     rows = []
-    for (model, impl, locality, concurrency), entry in pooled.items():
-        row = summarize(impl, locality, concurrency, entry["runs"])
+    for (model, impl, locality, concurrency, kv_dtype), entry in pooled.items():
+        row = summarize(impl, locality, concurrency, entry["runs"], kv_dtype)
         del row["runs"]
         rows.append(row | {"model": model, "context": entry["context"], "runs_from": entry["runs_from"]})
     return {"machine": MACHINE, "commands": [c for _, c in fragments], "model": HEADLINE_MODEL, "rows": rows,

@@ -76,12 +76,13 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
     return run
 
 
-def summarize(impl: str, locality: str, concurrency: int, runs: list[dict]) -> dict:
+def summarize(impl: str, locality: str, concurrency: int, runs: list[dict], kv_dtype: str = "bfloat16") -> dict:
     """One perf.json row from repeated runs: medians, the spread of decode tok/s, the raw runs."""
     rates = [r["decode_tok_s"] for r in runs]
     misses = [r["miss_rate"] for r in runs if r.get("miss_rate") is not None]
     io = [r["io_gb_s"] for r in runs if "io_gb_s" in r]
-    return {"impl": impl, "locality": locality, "miss_rate": statistics.median(misses) if misses else None,
+    return {"impl": impl, "locality": locality, "kv_dtype": kv_dtype,
+            "miss_rate": statistics.median(misses) if misses else None,
             "concurrency": concurrency, "held": max(r["max_running"] for r in runs), "repeats": len(runs),
             "decode_tok_s": statistics.median(rates), "decode_tok_s_spread": [min(rates), max(rates)],
             "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
@@ -101,7 +102,8 @@ def layer_timing(server: Server, args, layers: int) -> list[dict]:
 def sweep(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     layers = layer_count(args.model)
-    result: dict = {"model": args.model, "layers": layers, "context": args.context, "new_tokens": args.new_tokens,
+    result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
+                    "context": args.context, "new_tokens": args.new_tokens,
                     "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
                     "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "skipped": []}
     t_start = time.time()
@@ -122,8 +124,8 @@ def sweep(args) -> dict:
         try:
             server = e2e.launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True,
                                 max_total_tokens=args.max_total_tokens, max_running=max(levels) + 1,
-                                log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}", model=args.model,
-                                more_flags=("--enable-metrics",))
+                                log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}_{args.kv_dtype}", model=args.model,
+                                more_flags=("--enable-metrics",), kv_dtype=args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed to start: {repr(e)[-1500:]}")
             save()
@@ -142,7 +144,7 @@ def sweep(args) -> dict:
                         break
                     runs.append(measure(server, impl, e2e.prompts([args.context] * c, seed=10 + c), args.new_tokens))
                 if runs:
-                    result["rows"].append(summarize(impl, locality, c, runs))
+                    result["rows"].append(summarize(impl, locality, c, runs, args.kv_dtype))
                     print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
                 save()
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
@@ -158,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/testing/models")
     p.add_argument("--points", default="none:realistic,upstream:realistic,ours:realistic,ours_noio:realistic",
                    help="impl:locality,... (impl: none, upstream, ours, ours_noio, ours_resident, ours_noprefetch; locality: a preset or a strength)")
+    p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(e2e.KV_DTYPES),
+                   help="KV cache dtype of every server; fp8_e4m3 (656-byte rows) runs FlashMLA KV")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--new-tokens", type=int, default=256)
