@@ -15,6 +15,10 @@ Resident requests (``resident[r] != 0``) take their rows from
 plan rows and counters untouched; plan count 0). Where the kernel counts an error on such a row
 (a position at or beyond ``seq_len`` or ``req_to_token``'s columns, a logical id outside
 ``logical_to_device``) this oracle writes -1, as the kernel does.
+
+With ``slot_history`` and ``reuse_levels`` (the reuse policy, see ``reference.py``) the victims
+are the evictable slots of lowest ``level * (B + 1) + LRU position``, taken in LRU order, and the
+long rows' history is updated; everything is batched as for LRU.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Optional, Union
 
 import torch
 
+from sglang_hisparse.replacement.reuse import policy_tables, slot_levels, updated_history
 from sglang_hisparse.resolver.reference import MissPlan, real_count, residency_tables
 
 
@@ -46,14 +51,18 @@ def resolve_batched(
     resident: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None,
+    reuse_levels: Optional[torch.Tensor] = None,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
 
     Raises AssertionError where the reference would (more misses than evictable slots), and when
     the real rows' ``req_pool_indices`` are not distinct; ValueError for a partial set of the
-    residency tables (``resident``, ``req_to_token``, ``logical_to_device``: all three or none).
+    residency tables (``resident``, ``req_to_token``, ``logical_to_device``: all three or none)
+    or of the policy tables (``slot_history``, ``reuse_levels``: both or neither).
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
+    policy = policy_tables(slot_history, reuse_levels)
     n = real_count(num_real_reqs)
     if n <= 0:
         return
@@ -88,7 +97,11 @@ def resolve_batched(
     miss = valid & ~found
     miss_rank = miss.long().cumsum(1) - 1  # rank among misses, top-k order
     M = miss.sum(1)  # [n]
-    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, K)
+    history = level = None
+    if policy is not None:
+        history = slot_history.index_select(0, r.to(slot_history.device)).to(dev)  # [n, B]
+        level = slot_levels(history, reuse_levels)
+    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, K, level)
     dev_row = hot.gather(1, victim.clamp(min=0))
 
     result = torch.where(found, hot.gather(1, hit_slot.clamp(min=0)), result)
@@ -100,6 +113,12 @@ def resolve_batched(
     long_idx = longr.nonzero(as_tuple=True)[0]
     if long_idx.numel() > 0:
         lru[r[long_idx]] = new_order[long_idx].to(lru.dtype)
+        if history is not None:
+            victim_hits = torch.zeros((n, B), dtype=torch.long, device=dev)
+            victim_hits.scatter_add_(1, victim.clamp(min=0), miss.long())
+            new_history = updated_history(history, slot_hit, victim_hits > 0)
+            rows = r[long_idx].to(slot_history.device)
+            slot_history[rows] = new_history[long_idx].to(slot_history.device)
     out[:n] = result.to(out.dtype)
     if plan is not None:
         plan.counts[:n] = torch.where(longr, M, 0).to(plan.counts.dtype)
@@ -163,11 +182,13 @@ def _find_hits(pos: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor, B: 
     return found, hit_slot, hits_per_slot > 0
 
 
-def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torch.Tensor, M: torch.Tensor, K: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LRU replacement: miss ``m`` of a row takes its ``m``-th least recently used slot that no
-    selection hit. Returns each selection's victim slot [n, K] (meaningful where it missed) and
-    the new recency order [n, B]: untouched evictable slots, then the victims, then the hit slots."""
+def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torch.Tensor, M: torch.Tensor, K: int,
+                    level: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Victims of a row: its ``M`` least recently used slots that no selection hit (LRU), or with
+    ``level`` (int64 [n, B] per slot, the reuse policy) the ``M`` such slots of lowest (level, LRU
+    position). Miss ``m`` takes the ``m``-th victim in LRU order. Returns each selection's victim
+    slot [n, K] (meaningful where it missed) and the new recency order [n, B]: the evictable slots
+    not taken, then the victims, then the hit slots, each group in its previous order."""
     n, B = order.shape
     ev = ~slot_hit.gather(1, order)  # evictable, by LRU rank
     ev_l = ev.long()
@@ -176,11 +197,21 @@ def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torc
     assert bool((M <= E).all()), "more misses than evictable slots"
     q = torch.arange(B, device=order.device)[None, :]
     Mc, Ec = M[:, None], E[:, None]
-    new_pos = torch.where(ev, torch.where(ev_before >= Mc, ev_before - Mc, Ec - Mc + ev_before), Ec + (q - ev_before))
+    if level is None:
+        take = ev & (ev_before < Mc)
+    else:  # rank of each evictable LRU rank by (level, LRU rank); hit slots sort last
+        key = torch.where(ev, level.gather(1, order) * (B + 1) + q, torch.iinfo(torch.int64).max)
+        by_key = torch.argsort(key, dim=1, stable=True)
+        key_rank = torch.empty_like(by_key).scatter_(1, by_key, q.expand(n, B).contiguous())
+        take = ev & (key_rank < Mc)
+    take_l = take.long()
+    take_before = take_l.cumsum(1) - take_l  # victims strictly before each LRU rank
+    new_pos = torch.where(ev, torch.where(take, Ec - Mc + take_before, ev_before - take_before),
+                          Ec + (q - ev_before))
     new_order = torch.empty_like(order).scatter_(1, new_pos, order)
-    take = ev & (ev_before < Mc)  # victim of miss m: the evictable slot of rank m (column K collects the rest)
+    # victim of miss m: the taken slot of LRU rank m among the taken (column K collects the rest)
     victims = torch.full((n, K + 1), -1, dtype=torch.long, device=order.device)
-    victims.scatter_(1, torch.where(take, ev_before, K), order)
+    victims.scatter_(1, torch.where(take, take_before, K), order)
     return victims.gather(1, miss_rank.clamp(min=0)), new_order
 
 

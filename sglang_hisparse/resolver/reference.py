@@ -22,6 +22,29 @@ For request ``i < num_real_reqs`` (rows at and beyond ``num_real_reqs`` are not 
 * New LRU order (oldest first): the remaining evictable slots in their previous order, then this
   step's miss slots in top-k order, then this step's hit slots in their previous order.
 
+Replacement policy. The above is LRU, the default. With ``slot_history`` and ``reuse_levels``
+passed (both or neither) the history-only reuse table (``replacement: "reuse"``;
+``sglang_hisparse/replacement/reuse.py``) chooses the victims; only long-path requests (not
+resident, ``L > B``) are affected, resident and fast-path requests and padding rows are not:
+
+* ``slot_history`` (int16 [max_reqs, B], updated in place) packs per slot ``age | (count << 8)``:
+  age = low byte (0..255), count = high byte (0..127). ``reuse_levels`` (uint8 [54], any device)
+  is the eviction level of each history cell ``age_bucket * 6 + count_bucket`` (lower = evicted
+  first).
+* Each slot's cell: ``a = (hist & 0xff) + 1`` (steps since last selected), ``c = hist >> 8``;
+  ``age_bucket = searchsorted(AGE_EDGES, min(a, 129), side="left")`` (0..8), ``count_bucket =
+  searchsorted(COUNT_EDGES, min(c, 32), side="left")`` (0..5); its level is
+  ``reuse_levels[age_bucket * 6 + count_bucket]``.
+* The evictable slots (not hit this step) are ordered by (level, position in the old LRU order);
+  the first M (M = number of misses) are the victims. The m-th miss in top-k order takes the m-th
+  victim in old LRU order (not in level order).
+* New LRU order: the evictable slots that are not victims in their old order, then the victims in
+  old LRU order (= miss order), then the hit slots in their old order.
+* History update: a hit slot gets age 0 and count ``min(count + 1, 127)``; a victim slot age 0 and
+  count 1; every other slot ``min(age + 1, 255)`` and its count unchanged.
+* With all levels equal the result is exactly LRU's (outputs, tables, copies, plan, counters),
+  plus the history update. Copies, plan and counters are as for LRU.
+
 Preconditions: selected positions of a request are distinct and in ``[-1, L)``; B >= the number
 of non-newest selections. Tensors are updated in place; the function allocates only temporaries.
 """
@@ -32,6 +55,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+
+from sglang_hisparse.replacement.reuse import policy_tables, slot_levels, updated_history
 
 
 @dataclass
@@ -78,6 +103,8 @@ def resolve_reference(
     resident: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None,
+    reuse_levels: Optional[torch.Tensor] = None,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
 
@@ -102,8 +129,13 @@ def resolve_reference(
         resident: bool or uint8 [max_reqs], nonzero where the request slot is resident; with
             ``req_to_token`` (int32 [max_reqs, max_context], SGLang's position -> logical id
             table) and ``logical_to_device`` (int64, logical id -> device row). All three or none.
+        slot_history: int16 [max_reqs, B] this layer's packed per-slot history (reuse policy);
+            updated in place. With ``reuse_levels`` (uint8 [54]); both or neither (LRU).
+        reuse_levels: uint8 [54] eviction level of each history cell (reuse policy).
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
+    policy = policy_tables(slot_history, reuse_levels)
+    levels = None if policy is None else reuse_levels.to("cpu")
     num_real_reqs = real_count(num_real_reqs)
     stats = ResolveStats()
     row_bytes = device_kv[0].numel() * device_kv.element_size()
@@ -119,7 +151,7 @@ def resolve_reference(
             result = [int(hot_locs[r, p]) if p >= 0 else -1 for p in positions]
         else:
             result, copies, selected = _resolve_request(r, seq_len, positions, device_buffer_size, hot_locs,
-                                                        slot_tokens, lru, host_locs)
+                                                        slot_tokens, lru, host_locs, slot_history, levels)
             stats.selected += selected
         for host_row, device_row in copies if not skip_io else ():
             device_kv[device_row].copy_(host_kv[host_row])
@@ -156,11 +188,13 @@ def residency_tables(resident, req_to_token, logical_to_device):
 
 def _resolve_request(
     r: int, seq_len: int, positions: list[int], B: int, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
-    lru: torch.Tensor, host_locs: torch.Tensor,
+    lru: torch.Tensor, host_locs: torch.Tensor, slot_history: Optional[torch.Tensor] = None,
+    levels: Optional[torch.Tensor] = None,
 ) -> tuple[list[int], list[tuple[int, int]], int]:
     """One request past the fast path: its device rows in top-k order, the copies its misses need
     as (host row, device row) in top-k order, and how many positions were selected (the newest
-    token and padding excluded). Updates the request's ``slot_tokens`` and ``lru`` rows."""
+    token and padding excluded). Updates the request's ``slot_tokens`` and ``lru`` rows, and with
+    the reuse policy (``slot_history`` and the CPU ``levels``) its ``slot_history`` row."""
     result = [-1] * len(positions)
     slot_of = {tok: slot for slot, tok in enumerate(slot_tokens[r].tolist()) if tok >= 0}
     hit_slots: set[int] = set()
@@ -182,15 +216,27 @@ def _resolve_request(
     order = lru[r].tolist()
     evictable = [slot for slot in order if slot not in hit_slots]
     assert len(miss_js) <= len(evictable), "more misses than evictable slots"
-    victims = evictable[: len(miss_js)]
+    if slot_history is None:
+        victims, rest = evictable[: len(miss_js)], evictable[len(miss_js):]
+    else:  # lowest (level, old LRU position) first; victims and the rest kept in old LRU order
+        level = slot_levels(slot_history[r].cpu(), levels).tolist()
+        chosen = set(sorted(range(len(evictable)), key=lambda n: (level[evictable[n]], n))[: len(miss_js)])
+        victims = [slot for n, slot in enumerate(evictable) if n in chosen]
+        rest = [slot for n, slot in enumerate(evictable) if n not in chosen]
     copies = []
     for j, slot in zip(miss_js, victims):
         device_row = int(hot_locs[r, slot])
         copies.append((int(host_locs[r, positions[j]]), device_row))
         slot_tokens[r, slot] = positions[j]
         result[j] = device_row
-    new_order = evictable[len(miss_js):] + victims + [slot for slot in order if slot in hit_slots]
+    new_order = rest + victims + [slot for slot in order if slot in hit_slots]
     lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))
+    if slot_history is not None:
+        hit = torch.zeros(B, dtype=torch.bool)
+        hit[torch.tensor(sorted(hit_slots), dtype=torch.long)] = True
+        victim = torch.zeros(B, dtype=torch.bool)
+        victim[torch.tensor(victims, dtype=torch.long)] = True
+        slot_history[r].copy_(updated_history(slot_history[r].cpu(), hit, victim))
     return result, copies, selected
 
 
