@@ -27,6 +27,7 @@ DEFAULT_TOP_K = 2048
 DEFAULT_HOST_TO_DEVICE_RATIO = 2
 DEFAULT_SWAP_IN_BLOCK_SIZE = 960
 RESOLVER_CHOICES = ("auto", "reference", "cuda")
+REPLACEMENT_CHOICES = ("lru", "reuse")
 
 
 class HiSparseConfigError(ValueError):
@@ -77,6 +78,10 @@ class HiSparseConfig:
     """Fraction of the device pool's rows that residency keeps free: a request stays resident
     at admission only if that many rows remain, and decode steps demote resident requests when
     free rows fall below it. A number in [0, 0.5]."""
+    replacement: str = "lru"
+    """Hot-buffer replacement policy: ``lru`` (least recently used slot first) or ``reuse`` (the
+    history-only reuse table of docs/policies.md: per-slot age and selection count, the packaged
+    table decides which unselected slot goes first, ties by LRU; resolver/reference.py)."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -218,6 +223,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> H
         indexshare_prefetch=_require_bool(raw, "indexshare_prefetch", True),
         residency=_require_bool(raw, "residency", False),
         residency_watermark=_watermark(raw),
+        replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
     )
 
 

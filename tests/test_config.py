@@ -47,9 +47,15 @@ def test_all_keys_round_trip():
         "indexshare_prefetch": False,
         "residency": True,
         "residency_watermark": 0.125,
+        "replacement": "reuse",
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == raw
+
+
+def test_replacement_defaults_to_lru():
+    assert parse_hisparse_config(None).replacement == "lru"
+    assert parse_hisparse_config('{"replacement": "reuse"}').replacement == "reuse"
 
 
 def test_config_is_frozen():
@@ -80,6 +86,8 @@ def test_config_is_frozen():
         ('{"residency": "on"}', 'invalid residency="on": must be true or false'),
         ('{"residency_watermark": 0.75}', "invalid residency_watermark=0.75: must be a number in [0, 0.5]"),
         ('{"residency_watermark": true}', "invalid residency_watermark=true: must be a number in [0, 0.5]"),
+        ('{"replacement": "lfu"}', 'invalid replacement="lfu": must be one of lru, reuse'),
+        ('{"replacement": true}', "invalid replacement=true: must be one of lru, reuse"),
         ('{"stats_log_interval": -1}', "invalid stats_log_interval=-1: must be an integer >= 0 (0 = off)"),
     ],
 )
