@@ -36,6 +36,7 @@ from sglang_hisparse.hot_buffers import HotBuffers
 from sglang_hisparse.layers import LayerResolve
 from sglang_hisparse.prefetch import model_topk_sources
 from sglang_hisparse.pressure import ResidentDecode
+from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
 from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, token_stats
@@ -75,8 +76,9 @@ class HiSparseCoordinator:
         self.device_pool = self.allocator.get_kvcache()
         self.tp_group = tp_group
         max_reqs = req_to_token_pool.req_to_token.shape[0]
+        reuse = self.config.replacement == "reuse"
         self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
-                              buffer_size=device_buffer_size, device=device)
+                              buffer_size=device_buffer_size, device=device, history=reuse)
         ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
         self.mirror = HostMirror(self.device_pool, ratio, max_reqs=max_reqs, max_context=req_to_token_pool.max_context_len,
                                  device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
@@ -102,7 +104,8 @@ class HiSparseCoordinator:
             mirror=self.mirror, device_pool=self.device_pool, counters=self.stats.counters,
             num_real_reqs=self.num_real_reqs, skip_io=self.config.skip_io, out=selections,
             topk_sources=topk_sources if self.config.indexshare_prefetch else None,
-            residency_tables=self._resident_decode.resolver_tables if self._resident_decode is not None else {})
+            residency_tables=self._resident_decode.resolver_tables if self._resident_decode is not None else {},
+            reuse_levels=reuse_levels_for(device) if reuse else None)
         self._waiting_since: Optional[str] = None
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
                     top_k, self.device_pool.layer_num, resolver.name, capacity_line(self.capacity))
@@ -276,6 +279,13 @@ def agreed_count(count: int, group) -> int:
     value = torch.tensor(count, dtype=torch.int64)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
     return int(value)
+
+
+def reuse_levels_for(device: torch.device) -> torch.Tensor:
+    """The packaged history table's levels (uint8 [54]) on ``device``; logs the policy once per server."""
+    table = history_table()
+    logger.info("sglang-hisparse: replacement policy reuse (history table: %s)", table.describe())
+    return reuse_levels(table.table).to(device)
 
 
 def published_config(passed: tuple[int, int, int, int]) -> HiSparseConfig:

@@ -10,7 +10,10 @@ owns (preallocated, fixed addresses for CUDA graphs):
 * ``slot_positions`` (int32 [layers, max_reqs, B]): the position each slot holds in each layer,
   -1 for none (written by the resolver, reset here);
 * ``recency`` (int16 [layers, max_reqs, B]): each layer's slots, least recently used first
-  (written by the resolver, reset here).
+  (written by the resolver, reset here);
+* ``history`` (int16 [layers, max_reqs, B], only with ``replacement: "reuse"``, else None): each
+  layer's packed per-slot age and selection count (``replacement/reuse.py``; written by the
+  resolver, zeroed here wherever ``recency`` is reset).
 
 A buffer starts either as the request's own first positions (slot ``p`` holds position ``p``:
 the staging path keeps the prefill's first pages) or empty (PD: a long request's first
@@ -26,7 +29,8 @@ import torch
 
 
 class HotBuffers:
-    def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device):
+    def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device,
+                 history: bool = False):
         page = allocator.page_size
         self.allocator = allocator
         self.buffer_size = B = buffer_size
@@ -39,6 +43,8 @@ class HotBuffers:
         self.recency = torch.empty((layers, max_reqs, B), dtype=torch.int16, device=device)
         self._slot_numbers = torch.arange(B, dtype=torch.int32, device=device)
         self.recency.copy_(self._slot_numbers.to(torch.int16).expand_as(self.recency))
+        self.history: Optional[torch.Tensor] = (
+            torch.zeros((layers, max_reqs, B), dtype=torch.int16, device=device) if history else None)
 
     def holds(self, idx: int) -> bool:
         return self.capacity[idx] > 0
@@ -62,7 +68,7 @@ class HotBuffers:
         self.capacity[idx] = keep
         self.reserve[idx] = self.padded - keep
         self.slot_positions[:, idx] = self._slot_numbers if filled else -1
-        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+        self._reset_order(idx)
         return rows
 
     def open_with_rows(self, idx: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
@@ -75,7 +81,7 @@ class HotBuffers:
         self.capacity[idx] = self.padded
         self.reserve[idx] = 0
         self.slot_positions[:, idx] = positions[: self.buffer_size].to(torch.int32)
-        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+        self._reset_order(idx)
 
     def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
         """Before a step: a request whose newest position ``seq_len - 1 <= B`` has no row yet gets
@@ -104,6 +110,12 @@ class HotBuffers:
         slots = positions.to(torch.int64).clamp(max=self.buffer_size)
         return self.slot_rows[req_pool_idx, slots].to(torch.int64)
 
+    def _reset_order(self, idx: int) -> None:
+        """Request slot ``idx``'s recency back to slot order and its history (if any) to zero."""
+        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+        if self.history is not None:
+            self.history[:, idx] = 0
+
     # --- closing -----------------------------------------------------------------------------
     def close(self, idx: int) -> None:
         """Give request slot ``idx``'s rows and unused reserve back and reset its tables
@@ -115,4 +127,4 @@ class HotBuffers:
         self.capacity[idx] = 0
         self.reserve[idx] = 0
         self.slot_positions[:, idx] = -1
-        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
+        self._reset_order(idx)

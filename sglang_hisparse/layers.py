@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 class LayerResolve:
     def __init__(self, resolver: Resolver, *, layers: int, max_reqs: int, top_k: int, device: torch.device,
                  hot, mirror, device_pool, counters: torch.Tensor, num_real_reqs: torch.Tensor, skip_io: bool,
-                 out: torch.Tensor, topk_sources: Optional[list[int]], residency_tables: dict):
+                 out: torch.Tensor, topk_sources: Optional[list[int]], residency_tables: dict,
+                 reuse_levels: Optional[torch.Tensor] = None):
         self.out = out
         self._resolver = resolver
         self._mirror, self._device_pool = mirror, device_pool
@@ -43,7 +44,16 @@ class LayerResolve:
             host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer], device_kv=device_pool.kv_buffer[layer],
             num_real_reqs=num_real_reqs, device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
             plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,
+            **self._policy_tables(hot, layer, reuse_levels),
         ) for layer in range(layers)]
+
+    @staticmethod
+    def _policy_tables(hot, layer: int, reuse_levels: Optional[torch.Tensor]) -> dict:
+        """The reuse policy's keywords of one layer (none for LRU)."""
+        if reuse_levels is None:
+            return {}
+        assert hot.history is not None, "the reuse policy needs the hot buffers' history"
+        return dict(slot_history=hot.history[layer], reuse_levels=reuse_levels)
 
     def __call__(self, layer_id: int, req_pool_indices, seq_lens, top_k_result) -> torch.Tensor:
         """Device rows (int32 [num_reqs, top_k]) of one layer's selection; a follower layer waits

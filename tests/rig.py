@@ -75,6 +75,7 @@ class Rig:
         residency_watermark: float = 0.05,
         topk_sources: Optional[list] = None,
         indexshare_prefetch: bool = True,
+        replacement: str = "lru",
     ):
         self.layers = layers
         self.top_k = top_k
@@ -93,6 +94,7 @@ class Rig:
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
             residency=residency, residency_watermark=residency_watermark, indexshare_prefetch=indexshare_prefetch,
+            replacement=replacement,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,

@@ -6,9 +6,11 @@ back to its initial free count."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -50,6 +52,40 @@ def test_long_request_resolves_exactly_over_many_steps(gloo_world):
     selected, misses = rig.coord.stats.totals()
     assert selected > 0 and 0 < misses < selected
     rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+def assert_tables_reset(rig: Rig) -> None:
+    """Every request slot without a hot buffer has its per-layer tables at their reset values:
+    no positions, recency in slot order, history (reuse policy) zero."""
+    hot = rig.coord.hot
+    free = torch.tensor([not hot.holds(i) for i in range(len(hot.capacity))])
+    assert hot.slot_positions[:, free].eq(-1).all()
+    assert torch.equal(hot.recency[:, free], torch.arange(rig.B, dtype=torch.int16).expand_as(hot.recency[:, free]))
+    if hot.history is not None:
+        assert hot.history[:, free].eq(0).all()
+
+
+def test_long_request_with_the_reuse_policy(gloo_world, caplog):
+    """replacement "reuse": the packaged table is logged, every layer's history moves while the
+    request decodes (and stays exact), and is zero again once it is gone."""
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.coordinator"):
+        rig = Rig(gloo_world, replacement="reuse")
+    assert "replacement policy reuse (history table: attention k=256 B=512)" in caplog.text
+    assert rig.coord.hot.history is not None and Rig(gloo_world).coord.hot.history is None
+    rng = random.Random(0)
+    req = Request(uid=1, prompt_len=300)
+    run_to_decode(rig, [req])
+    for _ in range(40):
+        assert rig.decode_step([req])
+        for layer in range(rig.layers):
+            rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.7)])
+    history = rig.coord.hot.history[:, req.req_pool_idx]
+    assert (history >> 8).gt(1).any(dim=1).all() and (history & 0xFF).gt(0).any(dim=1).all()
+    selected, misses = rig.coord.stats.totals()
+    assert selected > 0 and 0 < misses < selected
+    rig.release(req)
+    assert_tables_reset(rig)
     assert rig.counts() == rig.initial_counts
 
 
@@ -234,11 +270,13 @@ def run_random_lifecycle(rig: Rig, rng: random.Random, overlap: float, *, length
                         rig.release(r)
     for r in live:
         rig.release(r, retract=rng.random() < 0.5)
+    assert_tables_reset(rig)
 
 
+@pytest.mark.parametrize("replacement", ["lru", "reuse"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0))
-def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, seed, overlap):
-    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24)
+def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, replacement, seed, overlap):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, replacement=replacement)
     run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350], finish_after=420)
     assert rig.counts() == rig.initial_counts

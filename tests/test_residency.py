@@ -51,8 +51,9 @@ def test_a_resident_request_reads_its_own_rows_and_copies_nothing(gloo_world):
     assert rig.coord.residency.count() == 0 and rig.coord.residency.admitted_total == 1
 
 
-def test_a_prefill_under_pressure_demotes_the_longest_resident_request(gloo_world):
-    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0)
+@pytest.mark.parametrize("replacement", ["lru", "reuse"])
+def test_a_prefill_under_pressure_demotes_the_longest_resident_request(gloo_world, replacement):
+    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0, replacement=replacement)
     rng = random.Random(4)
     long_req, short_req = Request(uid=1, prompt_len=700), Request(uid=2, prompt_len=400)
     for r in (long_req, short_req):
@@ -61,10 +62,14 @@ def test_a_prefill_under_pressure_demotes_the_longest_resident_request(gloo_worl
     assert rig.collect() == [long_req, short_req]
     assert rig.coord.residency.count() == 2
     decode(rig, [long_req, short_req], rng, steps=3)
+    history = rig.coord.hot.history
+    if history is not None:  # stale history (a resident request leaves it alone) is reset by demotion
+        history[:, long_req.req_pool_idx] = 0x0305
     newcomer = Request(uid=3, prompt_len=500)  # 8 pages; 6 are free
     assert rig.prefill(newcomer), "rows that demotion frees count as admission room"
     residency = rig.coord.residency
     assert not residency.holds(long_req.req_pool_idx) and rig.coord.hot.holds(long_req.req_pool_idx)
+    assert history is None or history[:, long_req.req_pool_idx].eq(0).all()
     assert residency.holds(short_req.req_pool_idx) and residency.demotions_total == 1
     rig.stage(newcomer)
     rig.collect()
@@ -143,10 +148,12 @@ def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages()
     assert ResidencyPolicy(watermark_rows=10).admits(10) and not ResidencyPolicy(watermark_rows=10).admits(9)
 
 
+@pytest.mark.parametrize("replacement", ["lru", "reuse"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
-def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, seed, overlap, watermark):
-    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark)
+def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, replacement, seed, overlap, watermark):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark,
+              replacement=replacement)
     run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350, 600], finish_after=700)
     assert rig.counts() == rig.initial_counts
 

@@ -491,6 +491,27 @@ def test_auto_refuses_a_gpu_the_kernel_does_not_run_on(platform, seen):
     assert dispatch.choose_resolver("reference", platform) == "reference"
 
 
+def test_the_reuse_policy_needs_a_kernel_that_takes_its_tables(monkeypatch):
+    """replacement "reuse" with the kernel: refused at start-up in one line while the launcher lacks
+    the policy's keywords; let through (to the workspace) once it has them; LRU always passes."""
+    from sglang_hisparse.config import HiSparseConfig
+
+    monkeypatch.setattr(dispatch, "platform_of", lambda device: dispatch.Platform("cuda", capability=(9, 0)))
+    monkeypatch.setattr(cuda, "make_workspace", lambda *a, **k: "workspace")
+
+    def without(*, lru): ...
+
+    def with_policy(*, lru, slot_history=None, reuse_levels=None): ...
+
+    reuse = HiSparseConfig(top_k=8, device_buffer_size=16, resolver="cuda", replacement="reuse")
+    monkeypatch.setattr(cuda, "resolve_cuda", without)
+    with pytest.raises(HiSparsePluginError, match="replacement=reuse: the fused CUDA kernel does not implement it"):
+        dispatch.make_resolver(reuse, "cpu", 4, 8)
+    assert dispatch.make_resolver(dataclasses.replace(reuse, replacement="lru"), "cpu", 4, 8).name == "cuda"
+    monkeypatch.setattr(cuda, "resolve_cuda", with_policy)
+    assert dispatch.make_resolver(reuse, "cpu", 4, 8).name == "cuda"
+
+
 def test_the_platform_is_read_from_the_device():
     assert dispatch.platform_of("cpu") == dispatch.Platform("cpu")
     if torch.cuda.is_available():

@@ -17,6 +17,7 @@ kernel-only keywords (``workspace``, ``block_size``) are dropped for the referen
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -119,7 +120,8 @@ class Resolver:
 
     def bind(self, **static: Any):
         """One layer's resolver: the unchanging keywords (tables, KV buffers, counters, plan,
-        residency tables, ``num_real_reqs`` tensor, B) checked once; returns
+        residency tables, the reuse policy's ``slot_history`` / ``reuse_levels``, ``num_real_reqs``
+        tensor, B) checked once and forwarded unfiltered to the implementation; returns
         ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``. Call after :meth:`warmup`."""
         return self._bind(**static)
 
@@ -147,6 +149,7 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
+        _check_kernel_policy(getattr(config, "replacement", "lru"), cuda_resolver.resolve_cuda)
         workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
@@ -159,6 +162,16 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
                                                    top_k=top_k, **static)
 
     return Resolver(impl, warmup, replay, bind)
+
+
+def _check_kernel_policy(replacement: str, resolve_cuda) -> None:
+    """Refuse ``replacement: "reuse"`` (one line naming the key and what is allowed) while the
+    kernel's launcher does not take the policy's keywords (``slot_history``, ``reuse_levels``)."""
+    if replacement != "lru" and "slot_history" not in inspect.signature(resolve_cuda).parameters:
+        raise HiSparsePluginError(
+            f"--hisparse-config replacement={replacement}: the fused CUDA kernel does not implement it yet; "
+            "allowed here: replacement=lru, or resolver=reference (pure torch, exact but slow)"
+        )
 
 
 def _bind_reference(**static: Any):
