@@ -4,6 +4,7 @@
   identical to the server without HiSparse, and the resolver really missed (rows came from host).
 * Requests aborted mid-decode: afterwards every pool reports exactly its initial free count.
 * Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical.
+* The reuse replacement policy (``replacement: "reuse"``): outputs identical.
 * A deliberately wrong resolver (test-only fault switch) changes the outputs: the comparison
   can fail.
 
@@ -134,6 +135,25 @@ def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(tmp_pat
     assert report["admitted_resident"] == len(CONTEXTS) + 1 and report["demotions"] >= 1, report  # + warmup
     assert report["resident"] == 0 and not report["leak"], report
     assert report["misses"] > 0, "demoted requests miss and copy from host"
+
+
+def test_the_reuse_replacement_policy_keeps_outputs_identical(tmp_path, baseline_outputs):
+    """replacement "reuse" (the history-only reuse table, reference resolver on CPU): the policy
+    is announced, outputs are identical to the server without HiSparse, and the resolver really
+    missed (rows came from host)."""
+    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse"}}'
+    server = start_server(hisparse_config=config, extra_args=COMMON, log_dir=tmp_path, name="hisparse_reuse",
+                          max_total_tokens=32768)
+    try:
+        before = len(server.idle_reports())
+        outputs = [o["output_ids"] for o in server.generate(prompts(), NEW_TOKENS)]
+        report = wait_for_idle_report(server, after=before)
+    finally:
+        server.stop()
+    assert "replacement policy reuse (history table: attention k=256 B=512)" in server.log()
+    assert outputs == baseline_outputs
+    assert not report["leak"], report
+    assert report["misses"] > 0 and report["selected"] > report["misses"], report
 
 
 def test_a_broken_resolver_is_detected(tmp_path, baseline_outputs):
