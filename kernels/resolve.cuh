@@ -103,7 +103,9 @@ constexpr size_t cmax(size_t a, size_t b) {
 }
 
 // Planner shared memory. Mirrored by sglang_hisparse/resolver/cuda.py: planner_smem_bytes().
-template <int kB, int kTopK>
+// kReuse (the reuse-table replacement policy) appends the policy's arrays; without it the layout
+// is the LRU kernel's.
+template <int kB, int kTopK, bool kReuse = false>
 struct PlanLayout {
   // Load factor <= 1/4: the probe loops of S1/S2 run as long as the longest probe of the warp's
   // 32 lanes, and shared-memory bank conflicts make every probe cost several cycles of the SM's
@@ -129,9 +131,25 @@ struct PlanLayout {
   static constexpr size_t kNewLruOff = kUnionOff;                                   // int16[kB]
   static constexpr size_t kHostRowOff = align16(kNewLruOff + 2 * size_t(kB));       // int64[kTopK]
   static constexpr size_t kPhase2End = align16(kHostRowOff + 8 * size_t(kTopK));
-  static constexpr size_t kMiscOff = cmax(kHashEnd, kPhase2End);  // int32[3][32] + int32[8]
-  static constexpr size_t kBytes = align16(kMiscOff + 4 * (3 * kWarpSize + 8));
+  static constexpr int kWsumRows = kReuse ? 5 : 3;  // per-warp counts (S3; S4b with kReuse)
+  static constexpr size_t kMiscOff = cmax(kHashEnd, kPhase2End);  // int32[kWsumRows][32] + int32[8]
+  static constexpr size_t kMiscEnd = align16(kMiscOff + 4 * (kWsumRows * kWarpSize + 8));
+  // kReuse only (zero bytes otherwise): per-slot history, per-LRU-entry level, level histogram,
+  // ballots of the evictables below / at the cut level.
+  static constexpr size_t kHistOff = kMiscEnd;                                                // u16[kB]
+  static constexpr size_t kLevelOff = align16(kHistOff + (kReuse ? 2 * size_t(kB) : 0));     // u8[kB]
+  static constexpr size_t kHistoOff = align16(kLevelOff + (kReuse ? size_t(kB) : 0));        // int32[64]
+  static constexpr size_t kLessMaskOff = align16(kHistoOff + (kReuse ? 4 * 64 : 0));         // u32[kBGroups]
+  static constexpr size_t kEqMaskOff = align16(kLessMaskOff + (kReuse ? 4 * size_t(kBGroups) : 0));
+  static constexpr size_t kBytes = align16(kEqMaskOff + (kReuse ? 4 * size_t(kBGroups) : 0));
 };
+
+// The reuse-table policy (kReuse): a slot's history word packs age | count << 8 (age: resolves
+// since it was last selected, minus one, saturating at 255; count: selections since it was
+// filled, saturating at 127). Levels come from a 54-entry table indexed age bucket * 6 + count
+// bucket (sglang_hisparse/replacement/reuse.py); at most kReuseLevels distinct levels.
+inline constexpr int kReuseLevels = 64;
+inline constexpr uint16_t kVictimMark = 0x8000;  // S5 marks a victim's staged history word
 
 // ------------------------------------------------------------------------------------------------
 // Kernel parameters
@@ -177,6 +195,10 @@ struct ResolveParams {
   int64_t rtt_cols;
   const int64_t* logical_to_device;  // [logical_rows]
   int64_t logical_rows;
+  // Reuse-table policy (nullable: slot_hist == nullptr is LRU; then the kReuse kernel is not used).
+  int16_t* slot_hist;  // [table_rows, kB] history words, row stride hist_stride
+  int64_t hist_stride;
+  const uint8_t* reuse_levels;  // [54] level of each history cell
   uint32_t* state;  // workspace state words
   int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
   int32_t* flat_dev;
@@ -498,7 +520,7 @@ __device__ __forceinline__ void resolve_resident(
 
 // Shared-memory arrays of a planner CTA: PlanLayout's offsets applied to the CTA's dynamic smem.
 // The hash table (S1-S2) and the new LRU row + host rows (S5-S6) share PlanLayout's union region.
-template <int kB, int kTopK>
+template <int kB, int kTopK, bool kReuse>
 struct PlanSmem {
   int32_t* topk;        // [kTopK]   S0: the request's top-k row
   int32_t* sel;         // [kTopK]   S2: the slot holding selection j (-1: none); S5: misses -2 - m
@@ -512,11 +534,17 @@ struct PlanSmem {
   int16_t* hvals;       // [kHash]
   int16_t* newlru;      // [kB]      union, part 2 (S5-S6)
   int64_t* hostrow;     // [kTopK]
-  int32_t* wsum;        // [3][32]   S3 per-warp counts: misses, evictables, selections
+  int32_t* wsum;        // [3|5][32] per-warp counts: S3 misses, evictables, selections; S4b
+                        //           (kReuse) evictables below / at the cut level
   int32_t* scalar;      // [8]       [0]: base of the request's rows in the miss list
+  uint16_t* hist;       // [kB]      kReuse: S0 history words by slot; S5 marks victims
+  uint8_t* level;       // [kB]      kReuse: S3 level of the evictable at LRU index qq
+  int32_t* histo;       // [64]      kReuse: S3 evictables per level
+  uint32_t* lessmask;   // [kBGroups] kReuse: S4b ballots, read in S5
+  uint32_t* eqmask;     // [kBGroups]
 
   __device__ __forceinline__ explicit PlanSmem(unsigned char* smem) {
-    using Lay = PlanLayout<kB, kTopK>;
+    using Lay = PlanLayout<kB, kTopK, kReuse>;
     topk = reinterpret_cast<int32_t*>(smem + Lay::kTopkOff);
     sel = reinterpret_cast<int32_t*>(smem + Lay::kSelOff);
     tok = reinterpret_cast<int32_t*>(smem + Lay::kTokOff);
@@ -530,7 +558,12 @@ struct PlanSmem {
     newlru = reinterpret_cast<int16_t*>(smem + Lay::kNewLruOff);
     hostrow = reinterpret_cast<int64_t*>(smem + Lay::kHostRowOff);
     wsum = reinterpret_cast<int32_t*>(smem + Lay::kMiscOff);
-    scalar = wsum + 3 * kWarpSize;
+    scalar = wsum + Lay::kWsumRows * kWarpSize;
+    hist = reinterpret_cast<uint16_t*>(smem + Lay::kHistOff);
+    level = reinterpret_cast<uint8_t*>(smem + Lay::kLevelOff);
+    histo = reinterpret_cast<int32_t*>(smem + Lay::kHistoOff);
+    lessmask = reinterpret_cast<uint32_t*>(smem + Lay::kLessMaskOff);
+    eqmask = reinterpret_cast<uint32_t*>(smem + Lay::kEqMaskOff);
   }
 };
 
@@ -564,6 +597,7 @@ struct PlanRequest {
   const int32_t* hot_row;
   const int64_t* host_loc_row;
   int32_t* out_row;
+  int16_t* hist_row;  // reuse-table history (nullptr: LRU)
 };
 
 __device__ __forceinline__ PlanRequest long_request(
@@ -575,6 +609,7 @@ __device__ __forceinline__ PlanRequest long_request(
   rq.hot_row = hot_row;
   rq.host_loc_row = p.host_locs + r * p.host_locs_stride;
   rq.out_row = out_row;
+  rq.hist_row = p.slot_hist != nullptr ? p.slot_hist + r * p.hist_stride : nullptr;
   return rq;
 }
 
@@ -642,9 +677,9 @@ __device__ __forceinline__ void reject_request(const ResolveParams& p, const int
 // Fast path (seq_len <= B): position q lives at slot q, so out[j] = hot_locs[r, q] from the
 // staged hot row; -1 for padding. No IO, no table change, a plan count of 0. A position >= seq_len
 // writes -1 and counts an error. Called by every thread of the CTA (it contains a barrier).
-template <int kB, int kTopK>
+template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void resolve_short(
-    const ResolveParams& p, const int i, const int64_t L, const int32_t* hot_row, const PlanSmem<kB, kTopK>& sm,
+    const ResolveParams& p, const int i, const int64_t L, const int32_t* hot_row, const PlanSmem<kB, kTopK, kReuse>& sm,
     int32_t* out_row) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
@@ -668,12 +703,16 @@ __device__ __forceinline__ void resolve_short(
 
 // S0 (long path): stage the slot tokens, LRU and hot locs (cp.async); initialise the hash table
 // and the selection map while the copies fly. Complete with cp_async_wait_all() + __syncthreads().
-template <int kB, int kTopK>
-__device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq) {
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq) {
   constexpr int kHash = PlanLayout<kB, kTopK>::kHash;
   stage_row(sm.tok, rq.tok_row, kB, t.tid, t.nt);
   stage_row(sm.lru, rq.lru_row, kB, t.tid, t.nt);
   stage_row(sm.hot, rq.hot_row, kB + 1, t.tid, t.nt);
+  if constexpr (kReuse) {
+    stage_row(reinterpret_cast<int16_t*>(sm.hist), rq.hist_row, kB, t.tid, t.nt);
+    for (int l = t.tid; l < kReuseLevels; l += t.nt) sm.histo[l] = 0;
+  }
   if constexpr (kHash % 4 == 0) {
     for (int h = t.tid; h < kHash / 4; h += t.nt) reinterpret_cast<int4*>(sm.hkeys)[h] = make_int4(-1, -1, -1, -1);
   } else {
@@ -683,9 +722,9 @@ __device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK>& sm, cons
 }
 
 // S1: insert every selected position (not padding, not the newest) into the hash table.
-template <int kB, int kTopK>
+template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void insert_selection(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const Positions& pos) {
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const Positions& pos) {
   using Lay = PlanLayout<kB, kTopK>;
   for (int j = t.tid; j < kTopK; j += t.nt) {
     const int32_t q = sm.topk[j];
@@ -713,8 +752,8 @@ __device__ __forceinline__ void insert_selection(
 // S2: each slot looks up its token; s_tok[s] becomes the selection j it holds (or -1).
 // If several slots held the same position (invalid state) the reference keeps the last one:
 // atomicMax picks the largest slot index.
-template <int kB, int kTopK>
-__device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK>& sm, const PlanThread& t) {
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t) {
   using Lay = PlanLayout<kB, kTopK>;
   for (int s = t.tid; s < kB; s += t.nt) {
     const int32_t tk = sm.tok[s];
@@ -736,11 +775,22 @@ __device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK>& sm, const P
   }
 }
 
+// The eviction level of a slot from its history word (kReuse): age bucket = ceil(log2(age + 1))
+// capped at 8 (edges 1, 2, 4, ..., 128), count bucket = floor(log2(count)) for count >= 2, capped
+// at 5 (edges 1, 3, 7, 15, 31); the same buckets as sglang_hisparse/replacement/policies.py.
+__device__ __forceinline__ int reuse_level(const uint8_t* levels, const uint16_t hist) {
+  const int age = (hist & 0xff) + 1;  // resolves since the slot was last selected
+  const int count = (hist >> 8) & 0x7f;
+  const int age_bucket = min(32 - __clz(age - 1), 8);
+  const int count_bucket = count <= 1 ? 0 : min(31 - __clz(count), 5);
+  return levels[age_bucket * 6 + count_bucket] & (kReuseLevels - 1);
+}
+
 // S3: per-warp counts of misses, valid selections (top-k order) and evictables (LRU); the miss
 // and evictable ballots are kept (one word per 32-entry group) for S5.
-template <int kB, int kTopK>
+template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void count_misses(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const WarpRanges& w,
     const Positions& pos) {
   // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
   auto slot_is_evictable = [&](int s) -> bool {
@@ -766,6 +816,13 @@ __device__ __forceinline__ void count_misses(
       const int s = sm.lru[qq];
       if (s < 0 || s >= kB) count_error(p.state);  // precondition: LRU is a permutation of [0, B)
       ev = slot_is_evictable(s);
+      if constexpr (kReuse) {
+        if (ev) {
+          const int level = reuse_level(p.reuse_levels, sm.hist[s]);
+          sm.level[qq] = static_cast<uint8_t>(level);
+          atomicAdd(sm.histo + level, 1);
+        }
+      }
     }
     const unsigned em = __ballot_sync(kFullMask, ev);
     n_evict += __popc(em);
@@ -779,8 +836,8 @@ __device__ __forceinline__ void count_misses(
 }
 
 // S4: scan of the warp counts; every warp computes it (lanes >= nw read 0), so no barrier follows.
-template <int kB, int kTopK>
-__device__ __forceinline__ PlanCounts scan_counts(const PlanSmem<kB, kTopK>& sm, const PlanThread& t) {
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ PlanCounts scan_counts(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t) {
   PlanCounts c;
   const int vm = t.lane < t.nw ? sm.wsum[t.lane] : 0;
   const int ve = t.lane < t.nw ? sm.wsum[kWarpSize + t.lane] : 0;
@@ -797,11 +854,70 @@ __device__ __forceinline__ PlanCounts scan_counts(const PlanSmem<kB, kTopK>& sm,
   return c;
 }
 
+// kReuse: the M_eff victims are the evictables of the lowest levels, ties by LRU order. Every
+// evictable below `level` is a victim, and the first `need` at `level` in LRU order; S4b's scan
+// gives each LRU entry the count of both kinds before it (below_off / at_off: the warp's offsets).
+struct ReuseCut {
+  int level;  // -1 when there is no victim
+  int need;
+  int below_off;
+  int at_off;
+};
+
+// S4b (kReuse; every thread): the cut from S3's level histogram, then per-warp ballots of the
+// evictables below / at the cut level into lessmask / eqmask and wsum rows 3 and 4. Complete
+// with __syncthreads() and finish_reuse_cut().
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ ReuseCut reuse_cut(
+    const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const WarpRanges& w, const PlanCounts& c) {
+  ReuseCut cut{-1, 0, 0, 0};
+  int below = 0;
+  for (int l = 0; l < kReuseLevels && c.M_eff > 0; ++l) {
+    const int n = sm.histo[l];
+    if (below + n >= c.M_eff) {
+      cut.level = l;
+      cut.need = c.M_eff - below;
+      break;
+    }
+    below += n;
+  }
+  int n_less = 0, n_eq = 0;
+  for (int base = w.b_begin; base < w.b_end; base += kWarpSize) {
+    const int qq = base + t.lane;
+    const bool ev = qq < w.b_end && ((sm.evictmask[base / kWarpSize] >> t.lane) & 1u);
+    const int level = ev ? sm.level[qq] : kReuseLevels;
+    const unsigned lm = __ballot_sync(kFullMask, level < cut.level);
+    const unsigned qm = __ballot_sync(kFullMask, level == cut.level);
+    n_less += __popc(lm);
+    n_eq += __popc(qm);
+    if (t.lane == 0) {
+      sm.lessmask[base / kWarpSize] = lm;
+      sm.eqmask[base / kWarpSize] = qm;
+    }
+  }
+  if (t.lane == 0) {
+    sm.wsum[3 * kWarpSize + t.warp] = n_less;
+    sm.wsum[4 * kWarpSize + t.warp] = n_eq;
+  }
+  return cut;
+}
+
+// S4b after its barrier: the warp's offsets among the evictables below / at the cut level.
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ void finish_reuse_cut(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, ReuseCut& cut) {
+  const int vl = t.lane < t.nw ? sm.wsum[3 * kWarpSize + t.lane] : 0;
+  const int vq = t.lane < t.nw ? sm.wsum[4 * kWarpSize + t.lane] : 0;
+  const int il = warp_inclusive_scan(vl, t.lane);
+  const int iq = warp_inclusive_scan(vq, t.lane);
+  cut.below_off = __shfl_sync(kFullMask, il - vl, t.warp);
+  cut.at_off = __shfl_sync(kFullMask, iq - vq, t.warp);
+}
+
 // S4 (thread 0): the base of the request's rows in the flat miss list, into s_scalar[0] (read
 // after S5's barrier): its own rows i * top_k in self-copy mode, reserved atomically in copier mode.
-template <int kB, int kTopK>
+template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void reserve_miss_rows(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq,
     const PlanCounts& c, const bool copier_mode) {
   if (t.tid == 0) {
     if (c.M > c.E) count_error(p.state);
@@ -811,13 +927,15 @@ __device__ __forceinline__ void reserve_miss_rows(
   }
 }
 
-// S5: ranks. Miss j gets rank m (top-k order); the evictable at LRU rank e gets rank e; the m-th
-// miss takes the m-th evictable. New LRU = [evictables e >= M][victims e < M][hits]. Starts the
-// host-row gathers of the misses (cp.async); complete with cp_async_wait_all() + __syncthreads().
-template <int kB, int kTopK>
+// S5: ranks. Miss j gets rank m (top-k order); victim v (LRU order) gets rank v; the m-th miss
+// takes the m-th victim. LRU: the victims are the first M_eff evictables (v = e). kReuse: those
+// the cut selects, v = below + min(at, need) counted before it; a victim's staged history word is
+// marked for S6. New LRU = [evictables not taken][victims][hits], each in the old order. Starts
+// the host-row gathers of the misses (cp.async); complete with cp_async_wait_all() + __syncthreads().
+template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void rank_and_gather(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const WarpRanges& w,
-    const PlanRequest& rq, const PlanCounts& c, const bool need_host_rows) {
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const WarpRanges& w,
+    const PlanRequest& rq, const PlanCounts& c, const ReuseCut& cut, const bool need_host_rows) {
   int run = c.miss_off;
   for (int base = w.k_begin; base < w.k_end; base += kWarpSize) {
     const int j = base + t.lane;
@@ -830,17 +948,32 @@ __device__ __forceinline__ void rank_and_gather(
     run += __popc(mask);
   }
   run = c.evict_off;
+  int run_below = cut.below_off, run_at = cut.at_off;
   for (int base = w.b_begin; base < w.b_end; base += kWarpSize) {
     const int qq = base + t.lane;
     const unsigned mask = sm.evictmask[base / kWarpSize];
     const bool ev = (mask >> t.lane) & 1u;
     const int s = qq < w.b_end ? sm.lru[qq] : -1;
     const int e = run + __popc(mask & t.lanes_below);  // evictables before qq in LRU order
+    bool victim = e < c.M_eff;
+    int v = min(e, c.M_eff);  // victims before qq in LRU order
+    if constexpr (kReuse) {
+      const unsigned lm = sm.lessmask[base / kWarpSize];
+      const unsigned qm = sm.eqmask[base / kWarpSize];
+      const int at = run_at + __popc(qm & t.lanes_below);
+      victim = ((lm >> t.lane) & 1u) || (((qm >> t.lane) & 1u) && at < cut.need);
+      v = run_below + __popc(lm & t.lanes_below) + min(at, cut.need);
+      run_below += __popc(lm);
+      run_at += __popc(qm);
+    }
     if (qq < w.b_end) {
       int pos;
       if (ev) {
-        pos = e >= c.M_eff ? e - c.M_eff : c.E - c.M_eff + e;
-        if (e < c.M_eff) sm.vict[e] = static_cast<int16_t>(s);
+        pos = victim ? c.E - c.M_eff + v : e - v;
+        if (victim) {
+          sm.vict[v] = static_cast<int16_t>(s);
+          if constexpr (kReuse) sm.hist[s] = kVictimMark | (1u << 8);  // S6: age 0, count 1
+        }
       } else {
         pos = c.E + (qq - e);
       }
@@ -852,9 +985,9 @@ __device__ __forceinline__ void rank_and_gather(
 
 // S6: publish outputs in top-k order, victims' slot tokens, the miss list and plan, the LRU row
 // and the counters. `base`: the request's first row in the flat miss list (S4).
-template <int kB, int kTopK, bool kSkipIO>
+template <int kB, int kTopK, bool kReuse, bool kSkipIO>
 __device__ __forceinline__ void publish(
-    const ResolveParams& p, const PlanSmem<kB, kTopK>& sm, const PlanThread& t, const PlanRequest& rq,
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq,
     const Positions& pos, const PlanCounts& c, const bool need_host_rows, const uint32_t base) {
   int64_t* plan_host_row = p.has_plan ? p.plan_host + static_cast<int64_t>(rq.i) * p.plan_host_stride : nullptr;
   int32_t* plan_dev_row = p.has_plan ? p.plan_dev + static_cast<int64_t>(rq.i) * p.plan_dev_stride : nullptr;
@@ -893,6 +1026,24 @@ __device__ __forceinline__ void publish(
     rq.out_row[j] = o;
   }
   store_row(rq.lru_row, sm.newlru, kB, t.tid, t.nt);
+  if constexpr (kReuse) {  // history: victims (marked in S5) age 0 count 1; hits age 0 count + 1
+    for (int s = t.tid; s < kB; s += t.nt) {
+      const uint16_t h = sm.hist[s];
+      uint16_t next;
+      if (h & kVictimMark) {
+        next = h & ~kVictimMark;
+      } else {
+        const int j = sm.tok[s];
+        const int count = (h >> 8) & 0x7f;
+        if (j >= 0 && sm.sel[j] == s) {
+          next = static_cast<uint16_t>(min(count + 1, 127) << 8);
+        } else {
+          next = static_cast<uint16_t>((count << 8) | min((h & 0xff) + 1, 255));
+        }
+      }
+      rq.hist_row[s] = static_cast<int16_t>(next);
+    }
+  }
   if (t.tid == 0) {
     if (p.has_plan) p.plan_counts[rq.i] = c.M_eff;
     if (p.counters != nullptr) {
@@ -905,9 +1056,9 @@ __device__ __forceinline__ void publish(
 // The planner of request i: S0's row loads, the CTA-uniform exits (padded row, invalid row,
 // resident request, fast path), then the long path's stages S0-S6 separated by the CTA barriers
 // every stage relies on (docs/kernel.md, "Why no races"), then finish_planner.
-template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
-  const PlanSmem<kB, kTopK> sm(smem);
+  const PlanSmem<kB, kTopK, kReuse> sm(smem);
   const PlanThread t = plan_thread();
   const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
   int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
@@ -968,13 +1119,19 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   const PlanCounts c = scan_counts(sm, t);  // S4 (no barrier: every warp scans)
   const bool need_host_rows = !kSkipIO || p.has_plan;  // the misses' host rows (miss list, plan)
   reserve_miss_rows(p, sm, t, rq, c, copier_mode);
-  rank_and_gather(p, sm, t, w, rq, c, need_host_rows);  // S5
+  ReuseCut cut{};
+  if constexpr (kReuse) {
+    cut = reuse_cut(sm, t, w, c);  // S4b: the victims' cut level and ballots
+    __syncthreads();
+    finish_reuse_cut(sm, t, cut);
+  }
+  rank_and_gather(p, sm, t, w, rq, c, cut, need_host_rows);  // S5
   cp_async_wait_all();
   __syncthreads();
   HS_STAMP(6, clock64());
 
   const uint32_t base = static_cast<uint32_t>(sm.scalar[0]);
-  publish<kB, kTopK, kSkipIO>(p, sm, t, rq, pos, c, need_host_rows, base);  // S6
+  publish<kB, kTopK, kReuse, kSkipIO>(p, sm, t, rq, pos, c, need_host_rows, base);  // S6
   HS_STAMP(7, clock64());
   finish_planner<kItemBytes, kSkipIO>(p, copier_mode, base, static_cast<uint32_t>(c.M_eff));
   HS_STAMP(8, clock64());
@@ -1033,11 +1190,11 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
 // Kernels
 // ------------------------------------------------------------------------------------------------
 
-template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_constant__ ResolveParams p) {
   static_assert(kB >= 1 && kB <= 32767, "slots are int16");
   static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
-  static_assert(PlanLayout<kB, kTopK>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
+  static_assert(PlanLayout<kB, kTopK, kReuse>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
   HISPARSE_DYNAMIC_SMEM(smem);
   HS_STAMP(0, clock64());
   HS_STAMP(9, global_timer_ns());
@@ -1047,12 +1204,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_co
     // Diagnostic: plan twice in one launch; the stamps of the second pass (instruction caches
     // warm, tables in L2) overwrite the first's. Skip-IO only: the first pass's misses are hits.
     if constexpr (kSkipIO) {
-      plan_request<kItemBytes, kB, kTopK, kSkipIO>(p, bid, smem);
+      plan_request<kItemBytes, kB, kTopK, kSkipIO, kReuse>(p, bid, smem);
       __syncthreads();
       HS_STAMP(0, clock64());
     }
 #endif
-    plan_request<kItemBytes, kB, kTopK, kSkipIO>(p, bid, smem);
+    plan_request<kItemBytes, kB, kTopK, kSkipIO, kReuse>(p, bid, smem);
     return;
   }
   if constexpr (!kSkipIO) {
@@ -1216,6 +1373,18 @@ inline bool check_residency(
   return true;
 }
 
+// Checks the reuse-table policy's tensors and says whether it is on (both empty: LRU): history
+// int16 [rows, >= B] with contiguous columns, levels uint8 [>= 54] contiguous (values are masked
+// to [0, 64) by the kernel; the Python side checks them once).
+inline bool check_reuse(const TensorView& slot_history, const TensorView& reuse_levels, int64_t B) {
+  if (slot_history.numel() == 0 && reuse_levels.numel() == 0) return false;
+  check_table(slot_history, 16, B, "slot_history");
+  host::RuntimeCheck(reuse_levels.ndim() == 1 && reuse_levels.dtype().code == kDLUInt && reuse_levels.dtype().bits == 8 &&
+                         reuse_levels.size(0) >= 54 && reuse_levels.stride(0) == 1,
+                     "hisparse: reuse_levels must be a contiguous uint8 [54] tensor");
+  return true;
+}
+
 // Sets p's residency fields (all null / 0 when off; check_residency has accepted the tables).
 inline void set_residency(
     ResolveParams& p, bool on, const TensorView& resident, const TensorView& req_to_token,
@@ -1237,8 +1406,13 @@ int64_t resolve_prepare(int64_t block) {
   detail::check_block(block);
   const int dev = detail::current_device();
   constexpr size_t smem = PlanLayout<kB, kTopK>::kBytes;
+  constexpr size_t smem_reuse = PlanLayout<kB, kTopK, true>::kBytes;
   const int a = detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false>>(static_cast<int>(block), smem, dev);
   detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true>>(static_cast<int>(block), smem, dev);
+  if constexpr (smem_reuse <= kMaxSmemBytes) {  // the reuse policy's kernels, where B fits them
+    detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false, true>>(static_cast<int>(block), smem_reuse, dev);
+    detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true, true>>(static_cast<int>(block), smem_reuse, dev);
+  }
   return a;
 }
 
@@ -1267,6 +1441,8 @@ void resolve(
     TensorView resident,
     TensorView req_to_token,
     TensorView logical_to_device,
+    TensorView slot_history,
+    TensorView reuse_levels,
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
@@ -1298,6 +1474,8 @@ void resolve(
   rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
   rows = lru.size(0) < rows ? lru.size(0) : rows;
   rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
+  const bool has_reuse = check_reuse(slot_history, reuse_levels, kB);
+  if (has_reuse) rows = slot_history.size(0) < rows ? slot_history.size(0) : rows;
   const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
   check_table(out, 32, kTopK, "out");
   host::RuntimeCheck(out.size(0) >= num_reqs && out.size(1) == kTopK, "hisparse: out must be int32 [>= num_reqs, top_k]");
@@ -1330,9 +1508,23 @@ void resolve(
                      "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
 
   const int dev = current_device();
-  constexpr size_t smem = PlanLayout<kB, kTopK>::kBytes;
-  constexpr auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO>;
-  const int per_sm = prepare_kernel<kernel>(static_cast<int>(block), smem, dev);
+  constexpr size_t kSmemReuse = PlanLayout<kB, kTopK, true>::kBytes;
+  host::RuntimeCheck(!has_reuse || kSmemReuse <= kMaxSmemBytes, "hisparse: B and top_k too large for the reuse "
+                     "policy's shared memory (", kSmemReuse, " B)");
+  size_t smem = PlanLayout<kB, kTopK>::kBytes;
+  auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>;
+  int per_sm;
+  if constexpr (kSmemReuse <= kMaxSmemBytes) {
+    if (has_reuse) {
+      smem = kSmemReuse;
+      kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, true>;
+      per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, true>>(static_cast<int>(block), smem, dev);
+    } else {
+      per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>>(static_cast<int>(block), smem, dev);
+    }
+  } else {
+    per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>>(static_cast<int>(block), smem, dev);
+  }
 
   int64_t copiers = 0;
   if constexpr (!kSkipIO) {
@@ -1370,6 +1562,9 @@ void resolve(
   p.max_context = host_locs.size(1);
   p.table_rows = rows;
   set_residency(p, has_residency, resident, req_to_token, logical_to_device);
+  p.slot_hist = has_reuse ? ptr<int16_t>(slot_history) : nullptr;
+  p.hist_stride = has_reuse ? slot_history.stride(0) : 0;
+  p.reuse_levels = has_reuse ? ptr<const uint8_t>(reuse_levels) : nullptr;
   p.host_kv = ptr<const uint8_t>(host_kv);
   p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
   p.device_kv = ptr<uint8_t>(device_kv);

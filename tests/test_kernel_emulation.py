@@ -28,3 +28,4 @@ def test_emulated_kernel_matches_oracle():
 
     for B, K in ((256, 64), (64, 32), (13, 5), (4096, 2048), (8192, 2048)):
         assert emu.planner_smem_bytes(B, K) == planner_smem_bytes(B, K), (B, K)
+        assert emu.planner_smem_bytes(B, K, True) == planner_smem_bytes(B, K, reuse=True), (B, K)

@@ -377,11 +377,12 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
-    assert len(args) == 24
+    assert len(args) == 26
     assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
     assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
     assert [a.numel() for a in args[15:18]] == [0, 0, 0]  # no residency
     assert [a.dtype for a in args[15:18]] == [torch.uint8, torch.int32, torch.int64]
+    assert [(a.numel(), a.dtype) for a in args[18:20]] == [(0, torch.int16), (0, torch.uint8)]  # LRU
 
 
 def _residency_kwargs(R: int = 4, context: int = 200, flag_dtype: torch.dtype = torch.uint8):
@@ -491,25 +492,42 @@ def test_auto_refuses_a_gpu_the_kernel_does_not_run_on(platform, seen):
     assert dispatch.choose_resolver("reference", platform) == "reference"
 
 
-def test_the_reuse_policy_needs_a_kernel_that_takes_its_tables(monkeypatch):
-    """replacement "reuse" with the kernel: refused at start-up in one line while the launcher lacks
-    the policy's keywords; let through (to the workspace) once it has them; LRU always passes."""
-    from sglang_hisparse.config import HiSparseConfig
+def test_a_bound_reuse_resolver_hands_its_tables_to_the_kernel(monkeypatch):
+    """replacement "reuse" with the kernel: the layer's history rows and the 54 cell levels reach
+    the launcher right after the residency tables (the kernel's order), checked once at bind; bad
+    tables are refused naming the tensor; without them the launcher gets empty tensors (LRU)."""
+    calls = []
 
-    monkeypatch.setattr(dispatch, "platform_of", lambda device: dispatch.Platform("cuda", capability=(9, 0)))
-    monkeypatch.setattr(cuda, "make_workspace", lambda *a, **k: "workspace")
+    class FakeModule:
+        def resolve_skip_io(self, *args):
+            calls.append(args)
 
-    def without(*, lru): ...
-
-    def with_policy(*, lru, slot_history=None, reuse_levels=None): ...
-
-    reuse = HiSparseConfig(top_k=8, device_buffer_size=16, resolver="cuda", replacement="reuse")
-    monkeypatch.setattr(cuda, "resolve_cuda", without)
-    with pytest.raises(HiSparsePluginError, match="replacement=reuse: the fused CUDA kernel does not implement it"):
-        dispatch.make_resolver(reuse, "cpu", 4, 8)
-    assert dispatch.make_resolver(dataclasses.replace(reuse, replacement="lru"), "cpu", 4, 8).name == "cuda"
-    monkeypatch.setattr(cuda, "resolve_cuda", with_policy)
-    assert dispatch.make_resolver(reuse, "cpu", 4, 8).name == "cuda"
+    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    kw = _valid_kwargs()
+    kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
+    B = kw["device_buffer_size"]
+    history = torch.zeros(kw["lru"].shape[0], B, dtype=torch.int16)
+    levels = torch.arange(54, dtype=torch.uint8)
+    batch = ("top_k_positions", "seq_lens", "req_pool_indices", "out")
+    fixed = {k: v for k, v in kw.items() if k not in batch + ("workspace", "block_size")}
+    top_k = kw["top_k_positions"].shape[1]
+    resolve = cuda.bind_resolve_cuda(workspace=kw["workspace"], block_size=kw.get("block_size"), skip_io=True,
+                                     top_k=top_k, slot_history=history, reuse_levels=levels, **fixed)
+    resolve(*(kw[k] for k in batch))
+    lru_only = cuda.bind_resolve_cuda(workspace=kw["workspace"], block_size=kw.get("block_size"), skip_io=True,
+                                      top_k=top_k, **fixed)
+    lru_only(*(kw[k] for k in batch))
+    (args,), (lru_args,) = calls[:1], calls[1:]
+    at = 3 + 6 + 2 + 4 + 3  # top_k, seq_lens, rpi; tables; out, num_real; plan, counters; residency
+    assert args[at] is history and args[at + 1] is levels
+    assert lru_args[at].numel() == 0 and lru_args[at + 1].numel() == 0
+    for bad, message in ((dict(reuse_levels=levels.to(torch.int32)), "reuse_levels must be uint8"),
+                         (dict(reuse_levels=torch.full((54,), 64, dtype=torch.uint8)), "< 64"),
+                         (dict(slot_history=history[:, :-1]), "slot_history"),
+                         (dict(slot_history=None), "passed together")):
+        with pytest.raises(ValueError, match=message):
+            cuda.bind_resolve_cuda(workspace=kw["workspace"], skip_io=True, top_k=top_k,
+                                   **{**dict(slot_history=history, reuse_levels=levels), **bad}, **fixed)
 
 
 def test_the_platform_is_read_from_the_device():
@@ -572,9 +590,9 @@ def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch
         jit.resolve_module.cache_clear()
     bad = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(Exception, match="top_k_positions"):
-        module.resolve(bad, *([torch.zeros(1)] * 20), 960, -1, 0)
+        module.resolve(bad, *([torch.zeros(1)] * 22), 960, -1, 0)
     with pytest.raises(Exception, match="block size"):
-        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 20), 48, -1, 0)
+        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 22), 48, -1, 0)
     topk = torch.zeros(2, 64, dtype=torch.int32)
     rows = torch.zeros(2, dtype=torch.int64)
     tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
@@ -583,7 +601,8 @@ def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch
     bad_flags = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(Exception, match="resident"):
         module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
-                               torch.zeros(9, dtype=torch.int64), *([torch.zeros(1)] * 3), 64, -1, 0)
+                               torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
+                               torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 3), 64, -1, 0)
 
 
 def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monkeypatch):

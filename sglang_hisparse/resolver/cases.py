@@ -15,6 +15,10 @@ reference's preconditions:
   ``resident`` (uint8 with random nonzero flags, or bool), a ``req_to_token`` table of distinct
   logical ids (at times a view with a wider row stride) and a ``logical_to_device`` vector of
   distinct device rows (-1 for the logical ids no request uses);
+* with ``reuse`` on (the reuse-table policy), the case passes ``reuse_levels`` (54 random levels
+  drawn from ``reuse_levels`` distinct values: 1 makes every slot tie, i.e. LRU order) and random
+  history words in every layer (ages skewed small, some saturated; counts 0-127), one layer's
+  rows as ``slot_history``;
 * ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
   random over the host pool.
 
@@ -107,6 +111,8 @@ class CaseSpec:
     resident_prob: float = 0.3  # with residency: chance that a pool row is resident
     resident_dtype: torch.dtype = torch.uint8  # uint8 or bool
     rtt_row_pad: int = 0  # > 0: req_to_token is a view with a wider row stride
+    reuse: bool = False  # pass slot_history / reuse_levels (the reuse-table policy)
+    reuse_levels: int = 54  # with reuse: distinct levels drawn for the 54 cells (1: LRU order)
 
     def describe(self) -> str:
         d = dataclasses.asdict(self)
@@ -160,10 +166,32 @@ def random_spec(
         num_copiers=None if copier_choice < 0.6 else (0 if copier_choice < 0.85 else rng.randint(1, 8)),
         topk_row_pad=rng.choice([0, 0, 0, 8]),
         **_residency_knobs(random.Random(seed ^ _RESIDENCY_SALT)),
+        **_reuse_knobs(random.Random(seed ^ _REUSE_SALT)),
     )
 
 
 _RESIDENCY_SALT = 0x7E51DE47
+_REUSE_SALT = 0x2E05E7AB
+
+
+def _reuse_knobs(rng: random.Random) -> dict[str, Any]:
+    """The reuse-policy fields of a random spec: on in about 40% of specs, with 1 (every slot
+    ties: LRU order), 3 (many ties) or 54 distinct levels."""
+    return dict(reuse=rng.random() < 0.4, reuse_levels=rng.choice([1, 3, 54, 54]))
+
+
+def _reuse_tables(spec: CaseSpec, gen: torch.Generator, R: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reuse_levels`` uint8 [54] (values in [0, spec.reuse_levels)) and per-layer history words
+    int16 [layers, R, B]: ages skewed small with some saturated at 255, counts in [0, 127]."""
+    dev = gen.device
+    levels = torch.randint(0, spec.reuse_levels, (54,), generator=gen, device=dev).to(torch.uint8)
+    shape = (spec.layers, R, spec.B)
+    age = torch.where(torch.rand(shape, generator=gen, device=dev) < 0.1, 255,
+                      torch.randint(0, 1 << 8, shape, generator=gen, device=dev)
+                      >> torch.randint(0, 8, shape, generator=gen, device=dev))
+    count = torch.randint(0, 128, shape, generator=gen, device=dev) >> torch.randint(0, 7, shape, generator=gen,
+                                                                                      device=dev)
+    return levels, (age | (count << 8)).to(torch.int16)
 
 
 def _residency_knobs(rng: random.Random) -> dict[str, Any]:
@@ -192,6 +220,7 @@ class Case:
     host_mirror: torch.Tensor
     slot_tokens_all: dict[str, torch.Tensor] = field(default_factory=dict)
     lru_all: dict[str, torch.Tensor] = field(default_factory=dict)
+    history_all: dict[str, torch.Tensor] = field(default_factory=dict)  # with reuse only
 
     def kernel_kwargs(self) -> dict[str, Any]:
         return dict(self.inputs, **self.kernel, host_kv=self.host_kv, device_kv=self.kernel_kv)
@@ -392,6 +421,11 @@ def make_case(
     )
     if spec.residency:  # drawn last: the other tensors of a spec do not depend on it
         inputs.update(_residency_tables(spec, gen, R, ctx, first_row=D))
+    history_all: dict[str, torch.Tensor] = {}
+    if spec.reuse:  # drawn after residency, for the same reason
+        levels, hist = _reuse_tables(spec, gen, R)
+        inputs["reuse_levels"] = levels
+        history_all = {"kernel": hist.clone(), "ref": hist.clone()}
     kernel = dict(
         slot_tokens=tok_k[spec.layer], lru=lru_k[spec.layer], out=out.clone(),
         num_real_reqs=torch.tensor([n_real], dtype=torch.int32, device=dev),
@@ -401,10 +435,14 @@ def make_case(
         slot_tokens=tok_r[spec.layer], lru=lru_r[spec.layer], out=out.clone(), num_real_reqs=n_real,
         plan=clone_plan(plan), counters=None if counters is None else counters.clone(),
     )
+    if history_all:
+        kernel["slot_history"] = history_all["kernel"][spec.layer]
+        ref["slot_history"] = history_all["ref"][spec.layer]
     return Case(
         spec=spec, inputs=inputs, kernel=kernel, ref=ref, kernel_kv=kernel_kv, ref_kv=ref_kv,
         device_rows=D, host_kv=host_kv, host_mirror=mirror,
         slot_tokens_all={"kernel": tok_k, "ref": tok_r}, lru_all={"kernel": lru_k, "ref": lru_r},
+        history_all=history_all,
     )
 
 
@@ -422,6 +460,8 @@ def differences(case: Case) -> list[str]:
         bad.append("slot_tokens")
     if not torch.equal(case.lru_all["kernel"], case.lru_all["ref"]):
         bad.append("lru")
+    if case.history_all and not torch.equal(case.history_all["kernel"], case.history_all["ref"]):
+        bad.append("slot_history")
     if not _bytes_equal(case.kernel_kv, case.ref_kv):
         bad.append("device_kv")
     if k["plan"] is not None:
@@ -447,6 +487,8 @@ def describe_difference(case: Case, name: str, limit: int = 8) -> str:
                       case.ref_kv.reshape(case.ref_kv.shape[0], -1).view(torch.uint8)),
         "counters": (k["counters"], r["counters"]),
     }
+    if case.history_all:
+        pairs["slot_history"] = (case.history_all["kernel"], case.history_all["ref"])
     if k["plan"] is not None:
         pairs["plan.counts"] = (k["plan"].counts, r["plan"].counts)
         pairs["plan.host_rows"] = (k["plan"].host_rows, r["plan"].host_rows)

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from sglang_hisparse.replacement.reuse import policy_tables
 from sglang_hisparse.resolver import jit
 from sglang_hisparse.resolver.reference import MissPlan, residency_tables
 
@@ -55,8 +56,9 @@ def _align16(x: int) -> int:
     return (x + 15) & ~15
 
 
-def planner_smem_bytes(device_buffer_size: int, top_k: int) -> int:
-    """Shared memory of one planner CTA; mirrors ``PlanLayout`` in ``kernels/resolve.cuh``."""
+def planner_smem_bytes(device_buffer_size: int, top_k: int, reuse: bool = False) -> int:
+    """Shared memory of one planner CTA; mirrors ``PlanLayout`` in ``kernels/resolve.cuh``
+    (``reuse``: the reuse-table policy's kernel, which appends its arrays)."""
     B, K = device_buffer_size, top_k
     hash_size = 1
     while hash_size < 4 * K:  # load factor <= 1/4
@@ -71,7 +73,12 @@ def planner_smem_bytes(device_buffer_size: int, top_k: int) -> int:
     union = _align16(off + 4 * ((B + 31) // 32))  # evictable ballots
     hash_end = _align16(_align16(union + 4 * hash_size) + 2 * hash_size)
     phase2_end = _align16(_align16(union + 2 * B) + 8 * K)
-    return _align16(max(hash_end, phase2_end) + 4 * (3 * 32 + 8))
+    wsum_rows = 5 if reuse else 3
+    end = _align16(max(hash_end, phase2_end) + 4 * (wsum_rows * 32 + 8))
+    if reuse:  # history u16[B], levels u8[B], histogram int32[64], two ballot rows u32[B / 32]
+        end = _align16(_align16(_align16(_align16(end + 2 * B) + B) + 4 * 64) + 4 * ((B + 31) // 32))
+        end = _align16(end + 4 * ((B + 31) // 32))
+    return end
 
 
 def largest_buffer_size(top_k: int) -> int:
@@ -147,6 +154,7 @@ class ResolveWorkspace:
     empty_i64: torch.Tensor
     empty_i32: torch.Tensor
     empty_u8: torch.Tensor
+    empty_i16: torch.Tensor
     """Empty tensors passed for absent optional arguments (no plan, counters or residency)."""
 
     @property
@@ -180,6 +188,7 @@ def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int =
         empty_i64=torch.empty(0, dtype=torch.int64, device=device),
         empty_i32=torch.empty(0, dtype=torch.int32, device=device),
         empty_u8=torch.empty(0, dtype=torch.uint8, device=device),
+        empty_i16=torch.empty(0, dtype=torch.int16, device=device),
     )
 
 
@@ -268,6 +277,20 @@ def _check_static_tables(
     return item_bytes
 
 
+def _check_reuse(slot_history: torch.Tensor, reuse_levels: torch.Tensor, B: int, table_rows: int,
+                 device: torch.device) -> None:
+    """The checks of the reuse policy's tensors (the kernel's ``check_reuse``), and of the levels'
+    values, which the kernel masks to [0, 64): read once, at bind time (a host sync)."""
+    _check_table(slot_history, torch.int16, "slot_history", device)
+    _check(slot_history.shape[0] >= table_rows and slot_history.shape[1] == B,
+           f"slot_history needs >= {table_rows} rows and B = {B} columns, has {tuple(slot_history.shape)}")
+    _check(reuse_levels.dim() == 1 and reuse_levels.dtype == torch.uint8 and reuse_levels.device == device
+           and reuse_levels.shape[0] == 54 and reuse_levels.is_contiguous(),
+           f"reuse_levels must be a contiguous uint8 [54] tensor on {device}, got {reuse_levels.dtype} "
+           f"{tuple(reuse_levels.shape)} on {reuse_levels.device}")
+    _check(int(reuse_levels.max()) < 64, "reuse_levels values must be < 64 (the kernel's level histogram)")
+
+
 def _check_residency(
     resident: torch.Tensor, req_to_token: torch.Tensor, logical_to_device: torch.Tensor, table_rows: int,
     device: torch.device,
@@ -299,23 +322,26 @@ class _Static:
     """(hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv)"""
     extras: tuple
     """(plan host rows, plan device rows, plan counts, counters, resident, req_to_token,
-    logical_to_device, workspace state, miss-list host rows, miss-list device rows, block,
-    copiers, spin timeout)"""
+    logical_to_device, slot_history, reuse_levels, workspace state, miss-list host rows,
+    miss-list device rows, block, copiers, spin timeout)"""
 
 
 def _validate_static(
     *, hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, device_buffer_size: int, top_k: int,
-    workspace: ResolveWorkspace, residency: Optional[tuple] = None, skip_io: bool = False,
-    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
-    num_copiers: Optional[int] = None,
+    workspace: ResolveWorkspace, residency: Optional[tuple] = None, reuse: Optional[tuple] = None,
+    skip_io: bool = False, plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
+    block_size: Optional[int] = None, num_copiers: Optional[int] = None,
 ) -> _Static:
     """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
     B, device = int(device_buffer_size), workspace.device
     block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
     item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
                                       device_kv)
+    table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
+    if reuse is not None:
+        _check_reuse(*reuse, B, table_rows, device)
     if residency is not None:
-        _check_residency(*residency, min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs)), device)
+        _check_residency(*residency, table_rows, device)
     if plan is not None:
         _check_plan(plan, top_k, device)
     if counters is not None:
@@ -323,10 +349,11 @@ def _validate_static(
                and counters.stride(0) == 1, f"counters must be a contiguous int64 [2] tensor on {device}")
     e64, e32 = workspace.empty_i64, workspace.empty_i32
     resident, req_to_token, logical_to_device = residency if residency is not None else (workspace.empty_u8, e32, e64)
+    slot_history, levels = reuse if reuse is not None else (workspace.empty_i16, workspace.empty_u8)
     extras = (
         plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32, counters if counters is not None else e64,
-        resident, req_to_token, logical_to_device, workspace.state, workspace.flat_host_rows,
+        resident, req_to_token, logical_to_device, slot_history, levels, workspace.state, workspace.flat_host_rows,
         workspace.flat_device_rows, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
     )
     return _Static(item_bytes, bool(skip_io), (hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv), extras)
@@ -407,6 +434,8 @@ def resolve_cuda(
     resident: Optional[torch.Tensor] = None,
     req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None,
+    reuse_levels: Optional[torch.Tensor] = None,
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_copiers: Optional[int] = None,
@@ -434,11 +463,13 @@ def resolve_cuda(
     Raises ValueError on bad shapes, dtypes, devices or an unsupported configuration; never syncs.
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
+    reuse = policy_tables(slot_history, reuse_levels)
     B, top_k = int(device_buffer_size), int(top_k_positions.shape[-1])
     num_reqs = _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan)
     key = (B, top_k, bool(skip_io), workspace.device, block_size, num_copiers, _signature(hot_locs),
            _signature(slot_tokens), _signature(lru), _signature(host_locs), _signature(host_kv), _signature(device_kv),
            None if residency is None else tuple(_signature(t) for t in residency),
+           None if reuse is None else tuple(_signature(t) for t in reuse),
            None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
            None if counters is None else _signature(counters), _signature(workspace.state))
     static = _static_checked.get(key)
@@ -446,7 +477,7 @@ def resolve_cuda(
         static = _validate_static(
             hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
             device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
-            residency=residency, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
+            residency=residency, reuse=reuse, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
         _static_checked[key] = static
@@ -459,7 +490,8 @@ def resolve_cuda(
 def bind_resolve_cuda(
     *, top_k: int, num_real_reqs: torch.Tensor, workspace: ResolveWorkspace, device_buffer_size: int,
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
-    logical_to_device: Optional[torch.Tensor] = None, **static: Any,
+    logical_to_device: Optional[torch.Tensor] = None, slot_history: Optional[torch.Tensor] = None,
+    reuse_levels: Optional[torch.Tensor] = None, **static: Any,
 ) -> Callable[..., None]:
     """Validate one layer's unchanging arguments once (keywords of :func:`resolve_cuda` other than
     the batch's) and return ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``, which
@@ -467,9 +499,10 @@ def bind_resolve_cuda(
     the caller updates (CUDA graphs). The kernel module is looked up here, once: build it first
     (:func:`warmup_build`)."""
     residency = residency_tables(resident, req_to_token, logical_to_device)
+    reuse = policy_tables(slot_history, reuse_levels)
     _check(isinstance(num_real_reqs, torch.Tensor), "a bound resolver needs num_real_reqs as a device tensor")
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
-    fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency,
+    fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency, reuse=reuse,
                              workspace=workspace, **static)
     fn = _kernel(fixed, int(device_buffer_size), top_k)
     plan = static.get("plan")

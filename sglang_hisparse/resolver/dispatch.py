@@ -17,7 +17,6 @@ kernel-only keywords (``workspace``, ``block_size``) are dropped for the referen
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -149,7 +148,6 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
-        _check_kernel_policy(getattr(config, "replacement", "lru"), cuda_resolver.resolve_cuda)
         workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
@@ -162,16 +160,6 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
                                                    top_k=top_k, **static)
 
     return Resolver(impl, warmup, replay, bind)
-
-
-def _check_kernel_policy(replacement: str, resolve_cuda) -> None:
-    """Refuse ``replacement: "reuse"`` (one line naming the key and what is allowed) while the
-    kernel's launcher does not take the policy's keywords (``slot_history``, ``reuse_levels``)."""
-    if replacement != "lru" and "slot_history" not in inspect.signature(resolve_cuda).parameters:
-        raise HiSparsePluginError(
-            f"--hisparse-config replacement={replacement}: the fused CUDA kernel does not implement it yet; "
-            "allowed here: replacement=lru, or resolver=reference (pure torch, exact but slow)"
-        )
 
 
 def _bind_reference(**static: Any):

@@ -186,6 +186,9 @@ inline T __shfl_up_sync(unsigned mask, T v, unsigned delta) {
 inline int __popc(unsigned x) {
   return __builtin_popcount(x);
 }
+inline int __clz(int x) {
+  return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x));
+}
 
 inline int atomicCAS(int* a, int compare, int val) {
   std::atomic_ref<int> r(*a);
@@ -199,6 +202,9 @@ inline int atomicMax(int* a, int v) {
   while (old < v && !r.compare_exchange_weak(old, v)) {
   }
   return old;
+}
+inline int atomicAdd(int* a, int v) {
+  return std::atomic_ref<int>(*a).fetch_add(v);
 }
 inline unsigned atomicAdd(unsigned* a, unsigned v) {
   return std::atomic_ref<unsigned>(*a).fetch_add(v);

@@ -25,6 +25,7 @@ struct Args {
   torch::Tensor topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real;
   torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev;
   torch::Tensor resident, req_to_token, logical_to_device;  // all empty: residency off
+  torch::Tensor slot_history, reuse_levels;  // both empty: LRU
   int64_t block, copiers;
   bool concurrent;
 };
@@ -84,14 +85,33 @@ void run_resolve(const Args& a) {
     p.logical_to_device = ptr<const int64_t>(a.logical_to_device);
     p.logical_rows = a.logical_to_device.size(0);
   }
+  const bool reuse = a.slot_history.numel() > 0;
+  if (reuse) {  // the host wrapper's check_reuse, in short
+    TORCH_CHECK(a.slot_history.dim() == 2 && a.slot_history.scalar_type() == torch::kInt16 &&
+                    a.slot_history.size(1) >= kB && a.slot_history.stride(1) == 1,
+                "slot_history must be int16 [rows, >= B] with contiguous columns");
+    TORCH_CHECK(a.reuse_levels.dim() == 1 && a.reuse_levels.scalar_type() == torch::kUInt8 &&
+                    a.reuse_levels.size(0) >= 54 && a.reuse_levels.is_contiguous(),
+                "reuse_levels must be a contiguous uint8 [54] tensor");
+    p.table_rows = std::min(p.table_rows, a.slot_history.size(0));
+    p.slot_hist = ptr<int16_t>(a.slot_history);
+    p.hist_stride = a.slot_history.stride(0);
+    p.reuse_levels = ptr<const uint8_t>(a.reuse_levels);
+  }
   p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
   p.flat_host = ptr<int64_t>(a.flat_host);
   p.flat_dev = ptr<int32_t>(a.flat_dev);
   p.spin_timeout_ns = 60'000'000'000ull;
   const int64_t copiers = kSkipIO ? 0 : (a.copiers >= 0 ? a.copiers : 3);
-  emu::launch(
-      static_cast<unsigned>(num_reqs + copiers), static_cast<unsigned>(a.block), PlanLayout<kB, kTopK>::kBytes,
-      [&p] { hisparse::resolve_kernel<kItemBytes, kB, kTopK, kSkipIO>(p); }, a.concurrent);
+  if (reuse) {
+    emu::launch(
+        static_cast<unsigned>(num_reqs + copiers), static_cast<unsigned>(a.block), PlanLayout<kB, kTopK, true>::kBytes,
+        [&p] { hisparse::resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, true>(p); }, a.concurrent);
+  } else {
+    emu::launch(
+        static_cast<unsigned>(num_reqs + copiers), static_cast<unsigned>(a.block), PlanLayout<kB, kTopK>::kBytes,
+        [&p] { hisparse::resolve_kernel<kItemBytes, kB, kTopK, kSkipIO>(p); }, a.concurrent);
+  }
 }
 
 template <int kItemBytes>
@@ -147,13 +167,13 @@ void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor top
              torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
              torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
              torch::Tensor resident, torch::Tensor req_to_token, torch::Tensor logical_to_device,
-             torch::Tensor state, torch::Tensor flat_host, torch::Tensor flat_dev, int64_t block, int64_t copiers,
+             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor state, torch::Tensor flat_host, torch::Tensor flat_dev, int64_t block, int64_t copiers,
              bool concurrent) {
   const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
   TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
   it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
                   plan_dev, plan_counts, counters, state, flat_host, flat_dev, resident, req_to_token,
-                  logical_to_device, block, copiers, concurrent});
+                  logical_to_device, slot_history, reuse_levels, block, copiers, concurrent});
 }
 
 void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts,
@@ -171,12 +191,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resolve", &resolve);
   m.def("replay", &replay);
   m.def("configs", &configs);
-  m.def("planner_smem_bytes", [](int64_t B, int64_t K) -> int64_t {
-    if (B == 256 && K == 64) return PlanLayout<256, 64>::kBytes;
-    if (B == 64 && K == 32) return PlanLayout<64, 32>::kBytes;
-    if (B == 13 && K == 5) return PlanLayout<13, 5>::kBytes;
-    if (B == 4096 && K == 2048) return PlanLayout<4096, 2048>::kBytes;
-    if (B == 8192 && K == 2048) return PlanLayout<8192, 2048>::kBytes;
+  m.def("planner_smem_bytes", [](int64_t B, int64_t K, bool reuse) -> int64_t {
+    if (B == 256 && K == 64) return reuse ? PlanLayout<256, 64, true>::kBytes : PlanLayout<256, 64>::kBytes;
+    if (B == 64 && K == 32) return reuse ? PlanLayout<64, 32, true>::kBytes : PlanLayout<64, 32>::kBytes;
+    if (B == 13 && K == 5) return reuse ? PlanLayout<13, 5, true>::kBytes : PlanLayout<13, 5>::kBytes;
+    if (B == 4096 && K == 2048) return reuse ? PlanLayout<4096, 2048, true>::kBytes : PlanLayout<4096, 2048>::kBytes;
+    if (B == 8192 && K == 2048) return reuse ? PlanLayout<8192, 2048, true>::kBytes : PlanLayout<8192, 2048>::kBytes;
     return -1;
-  });
+  }, pybind11::arg("B"), pybind11::arg("K"), pybind11::arg("reuse") = false);
 }

@@ -72,6 +72,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
     e64 = torch.empty(0, dtype=torch.int64)
     e32 = torch.empty(0, dtype=torch.int32)
     e8 = torch.empty(0, dtype=torch.uint8)
+    e16 = torch.empty(0, dtype=torch.int16)
     failures = 0
     reports: list[str] = []
     for c in range(cases):
@@ -90,7 +91,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
             plan.host_rows if plan else e64, plan.device_rows if plan else e32, plan.counts if plan else e32,
             ctr if ctr is not None else e64,
             kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
-            ws.state, ws.flat_host_rows, ws.flat_device_rows,
+            kw.get("slot_history", e16), kw.get("reuse_levels", e8), ws.state, ws.flat_host_rows, ws.flat_device_rows,
             block, -1 if spec.num_copiers is None else spec.num_copiers, concurrent,
         )
         resolve_batched(**case.ref_kwargs())
