@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver.batched import resolve_batched  # noqa: E402
+from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
 from sglang_hisparse.resolver.cases import kv_view  # noqa: E402
 from sglang_hisparse.resolver.report import machine_description, write_json  # noqa: E402
 
@@ -170,7 +171,12 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
     host_kv = kv_view(bench.host, item)
     device_kv = kv_view(bench.device_flat[: R * (B + 1) * item], item)
     up_tokens = torch.cat([tokens.to(torch.int32), torch.full((R, 1), L - 1, dtype=torch.int32, device=dev)], dim=1)
+    # the reuse policy's state: ages skewed small (as in a running cache), counts 0-31
+    age = torch.randint(0, 256, (R, B), generator=g, device=dev) >> torch.randint(0, 8, (R, B), generator=g, device=dev)
+    count = torch.randint(0, 32, (R, B), generator=g, device=dev)
     return dict(
+        hist0=(age | (count << 8)).to(torch.int16).contiguous(),
+        levels=reuse_levels(history_table().table).to(dev),
         B=B, item=item, batch=batch, miss_frac=miss_frac, misses=M,
         top_k_positions=sel,
         seq_lens=torch.full((R,), L, dtype=torch.int64, device=dev),
@@ -182,27 +188,40 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
 
 
 class Ours:
+    """Our kernel on one cell, called as a server calls it: the layer's resolver bound once
+    (``bind_resolve_cuda``), then per call only the batch tensors (the stage-clock build goes
+    through ``resolve_cuda``). ``reuse``: the reuse-table policy (random history, packaged levels)."""
+
     def __init__(self, bench: Bench, cell: dict[str, Any], skip_io: bool, block: int = BLOCK,
-                 num_copiers: Optional[int] = None, stage_clock: bool = False) -> None:
+                 num_copiers: Optional[int] = None, stage_clock: bool = False, reuse: bool = False) -> None:
         self.bench, self.cell, self.skip_io, self.block, self.num_copiers = bench, cell, skip_io, block, num_copiers
-        self.stage_clock = stage_clock
+        self.stage_clock, self.reuse = stage_clock, reuse
         self.tokens = cell["tokens0"].clone()
         self.lru = cell["lru0"].clone()
+        self.hist = cell["hist0"].clone()
         self.out = torch.empty_like(cell["top_k_positions"])
+        c = cell
+        self.static = dict(
+            hot_locs=c["hot_locs"], slot_tokens=self.tokens, lru=self.lru, host_locs=c["host_locs"],
+            host_kv=c["host_kv"], device_kv=c["device_kv"], num_real_reqs=c["num_real"], device_buffer_size=c["B"],
+            skip_io=skip_io, num_copiers=num_copiers,
+            **(dict(slot_history=self.hist, reuse_levels=c["levels"]) if reuse else {}))
+        self.bound = None if stage_clock else rcuda.bind_resolve_cuda(
+            top_k=TOP_K, workspace=bench.ws, block_size=block, **self.static)
 
     def restore(self) -> None:
         self.tokens.copy_(self.cell["tokens0"])
         self.lru.copy_(self.cell["lru0"])
+        self.hist.copy_(self.cell["hist0"])
 
     def __call__(self) -> None:
         c = self.cell
+        if self.bound is not None:
+            self.bound(c["top_k_positions"], c["seq_lens"], c["req_pool_indices"], self.out)
+            return
         rcuda.resolve_cuda(
             top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
-            hot_locs=c["hot_locs"], slot_tokens=self.tokens, lru=self.lru, host_locs=c["host_locs"],
-            host_kv=c["host_kv"], device_kv=c["device_kv"], out=self.out, num_real_reqs=c["num_real"],
-            device_buffer_size=c["B"], skip_io=self.skip_io, workspace=self.bench.ws, block_size=self.block,
-            num_copiers=self.num_copiers, stage_clock=self.stage_clock,
-        )
+            out=self.out, workspace=self.bench.ws, block_size=self.block, stage_clock=self.stage_clock, **self.static)
 
 
 class Upstream:
@@ -230,7 +249,7 @@ def check_ours(ours: Ours) -> bool:
     c = ours.cell
     ours.restore()
     ours()
-    ref_tokens, ref_lru = c["tokens0"].clone(), c["lru0"].clone()
+    ref_tokens, ref_lru, ref_hist = c["tokens0"].clone(), c["lru0"].clone(), c["hist0"].clone()
     ref_out = torch.empty_like(ours.out)
     ref_kv = torch.empty_like(c["device_kv"])
     host_mirror = None if ours.skip_io else c["host_kv"]
@@ -238,9 +257,10 @@ def check_ours(ours: Ours) -> bool:
         top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
         hot_locs=c["hot_locs"], slot_tokens=ref_tokens, lru=ref_lru, host_locs=c["host_locs"],
         host_kv=c["host_kv"], device_kv=ref_kv, out=ref_out, num_real_reqs=c["batch"], device_buffer_size=c["B"],
-        skip_io=True,
+        skip_io=True, **(dict(slot_history=ref_hist, reuse_levels=c["levels"]) if ours.reuse else {}),
     )
     ok = torch.equal(ours.out, ref_out) and torch.equal(ours.tokens, ref_tokens) and torch.equal(ours.lru, ref_lru)
+    ok = ok and (not ours.reuse or torch.equal(ours.hist, ref_hist))
     if ok and host_mirror is not None:  # the miss rows now hold their host rows
         miss = ~torch.isin(c["top_k_positions"].long(), torch.cat([c["tokens0"].long(), (c["seq_lens"] - 1)[:, None]], 1))
         rows = ours.out[miss].long()
@@ -318,6 +338,8 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                                                            ("ours", True, Ours(bench, cell, True))]
                     if upstream is not None:
                         impls.append(("upstream", False, Upstream(upstream, cell)))
+                    if args.reuse:  # the reuse-table policy's kernel on the same cell
+                        impls.append(("ours_reuse", False, Ours(bench, cell, False, reuse=True)))
                     line = [tag]
                     for mode in args.timing:
                         for name, skip, impl in impls:
@@ -334,7 +356,7 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                             rows.append({"impl": name, "B": B, "batch": batch, "miss_frac": miss, "item_bytes": item,
                                          "skip_io": skip, "timing": mode, **st})
                             line.append(f"{name}{'(skip-IO)' if skip else ''}[{mode}] {st['median_us']:.1f}us")
-                    ok = check_ours(impls[0][2])
+                    ok = check_ours(impls[0][2]) and all(check_ours(i) for n, _, i in impls if n == "ours_reuse")
                     agree = None
                     if upstream is not None:
                         try:
@@ -474,6 +496,20 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
             io = batch * n_misses(0.13) * 1152 / ((o["median_us"] - s["median_us"]) * 1e3)
             lines.append(f"- IO rate >= {IO_TARGET_GBPS:g} GB/s at 13% misses, batch {batch}: {io:.1f} GB/s, "
                          f"{'met' if io >= IO_TARGET_GBPS else 'MISSED'}")
+    reuse_lines = []
+    for B in BS:
+        for item in ITEMS:
+            for batch in BATCHES:
+                for miss in MISSES:
+                    o = find(rows, "ours", B, item, batch, miss, False, main)
+                    r = find(rows, "ours_reuse", B, item, batch, miss, False, main)
+                    if o and r:
+                        reuse_lines.append(f"| {B} | {item} | {batch} | {miss:g} | {o['median_us']:.1f} | "
+                                           f"{r['median_us']:.1f} | {r['median_us'] / o['median_us']:.2f}x |")
+    if reuse_lines:
+        lines += ["", "## The reuse-table policy's kernel (same cell, same misses)", "",
+                  "| B | item B | batch | miss | ours (LRU) us | ours_reuse us | reuse / LRU |",
+                  "|---|---|---|---|---|---|---|", *reuse_lines]
     bad = [c["cell"] for c in result["checks"] if not c["ours_matches_oracle"]]
     lines += ["", f"Oracle check of our outputs on every cell: {'all match' if not bad else 'MISMATCH on ' + ', '.join(bad)}."]
     disagree = [c["cell"] for c in result["checks"] if c["upstream_agrees_with_ours"] is False]
@@ -551,6 +587,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--misses", type=float, nargs="+", default=list(MISSES))
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--no-reuse", dest="reuse", action="store_false",
+                        help="leave out ours_reuse (the reuse-table policy's kernel) from the grid")
     parser.add_argument("--timing", nargs="+", choices=("graph", "eager"), default=["graph", "eager"],
                         help="timing modes, the first is the one the tables and targets use (see Bench.time_call)")
     parser.add_argument("--stage-clock", nargs="?", const="once", choices=("once", "twice"), default=None,

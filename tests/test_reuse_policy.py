@@ -201,7 +201,7 @@ def _specs(seed: int, n: int, residency_share: float = 0.5):
                            seed=seed * 1000 + i)
         if rng.random() < residency_share:
             spec = dataclasses.replace(spec, residency=True, resident_prob=rng.choice([0.0, 0.3, 0.7]))
-        yield spec
+        yield dataclasses.replace(spec, reuse=False)  # these tests pass their own policy tables
 
 
 def _with_policy(case, history: torch.Tensor, levels: torch.Tensor) -> dict:
