@@ -40,6 +40,10 @@ FRAGMENTS = [
     ("gpu_run20/exact_lockstep.json", None),  # its ours:2048:0 row was skipped (budget set too low)
     ("gpu_run21/exact_f18_2048.json", None),
     ("gpu_run21/exact_lockstep_2048.json", None),
+    # seventh session: IndexShare prefetch and FP8 KV (rows carry kv_dtype and speculative)
+    ("gpu_run27/is_exact.json", None),  # SGLang's default capture sizes: batches differ, see e2e_gpu.md
+    ("gpu_run28/fp8_exact_f18.json", None),
+    ("gpu_run29/is_exact_f18.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -85,6 +89,16 @@ DEVICE_CALLS = {
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:4096:0:lockstep,ours:2048:0:lockstep "
                  "--no-overlap --wait-for-staging --budget-s 240 --out $OUT/exact_lockstep.json + e2e throughput "
                  "--impls ours --concurrency 1 --context 12000 --buffer 15936 --budget-s 150 --out $OUT/fastpath.json",
+    "gpu_run27": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-indexshare --configs ours:4096:1 --budget-s 380 "
+                 "--out $OUT/is_exact.json + e2e exactness --kv-dtype fp8_e4m3 --configs ours:4096:1 --budget-s 175 "
+                 "--out $OUT/fp8_exact.json",
+    "gpu_run28": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-indexshare --configs ours:4096:F18 --budget-s 200 "
+                 "--out $OUT/is_exact_f18.json + e2e exactness --kv-dtype fp8_e4m3 --configs "
+                 "ours:4096:F18,upstream:4096:F18 --budget-s 330 --out $OUT/fp8_exact_f18.json",
+    "gpu_run29": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-indexshare --configs ours:4096:F18 --budget-s 230 "
+                 "--out $OUT/is_exact_f18.json + sweep --model ds32-width-indexshare --points "
+                 "ours_noprefetch:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 350 "
+                 "--level-margin-s 60 --out $OUT/sweep_is.json",
     "gpu_run21": "bash scripts/gpu/run.sh e2e exactness --configs ours:2048:F18 --budget-s 400 --out "
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:2048:0:lockstep --no-overlap "
                  "--wait-for-staging --budget-s 400 --out $OUT/exact_lockstep_2048.json + e2e throughput --impls ours "
@@ -147,6 +161,8 @@ def main() -> int:
             keep["model"] = row.get("model", "tiny-dsa")
             keep["overlap_schedule"] = row.get("overlap_schedule", True)
             keep["wait_for_staging"] = row.get("wait_for_staging", False)
+            keep["kv_dtype"] = row.get("kv_dtype", "bfloat16")
+            keep["speculative"] = row.get("speculative")
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]

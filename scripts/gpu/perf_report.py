@@ -32,6 +32,9 @@ FRAGMENTS: list[tuple[str, str]] = [
                                "none:realistic --concurrency 1,8,32 --repeats 1 --budget-s 470 --out $OUT/sweep_c.json"),
     ("gpu_run26/sweep_d.json", "bash scripts/gpu/run.sh sweep --model ds32-width --points upstream:realistic,ours:realistic "
                                "--concurrency 32 --repeats 1 --budget-s 250 --level-margin-s 60 --out $OUT/sweep_d.json"),
+    ("gpu_run29/sweep_is.json", "bash scripts/gpu/run.sh sweep --model ds32-width-indexshare --points "
+                                "ours_noprefetch:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 350 "
+                                "--level-margin-s 60 --out $OUT/sweep_is.json"),
 ]
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
