@@ -249,6 +249,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=1024, help="ranked positions stored per step (>= k; 4k for score-aware policies)")
     parser.add_argument("--page", type=int, default=16, help="Quest page size in tokens")
     parser.add_argument("--docs", type=int, default=None, help="only the first DOCS documents")
+    parser.add_argument("--only", default=None, help="comma-separated document names (e.g. topics_06,pydoc_socket)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -258,6 +259,12 @@ def main() -> None:
     model_dir = gguf_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF_FILE)
     docs = build_documents(tokenizer, args.context, args.docs)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {d.name for d in docs})
+        if unknown:
+            parser.error(f"--only: unknown documents {unknown}")
+        docs = [d for d in docs if d.name in wanted]
     settings = settings_of(args)
     args.out.mkdir(parents=True, exist_ok=True)
     todo = [d for d in docs if not is_current(trace_path(args.out, d), settings, d)]
