@@ -31,10 +31,11 @@ from sglang_hisparse.replacement.reuse import (
     slot_levels,
     unpack,
 )
+from sglang_hisparse.replacement.replay import ReplayState, bind_python, replay_selections
 from sglang_hisparse.replacement.simulator import simulate
 from sglang_hisparse.resolver.batched import resolve_batched
 from sglang_hisparse.resolver.cases import HostPool, differences, make_case, random_spec
-from sglang_hisparse.resolver.reference import MissPlan, resolve_reference
+from sglang_hisparse.resolver.reference import resolve_reference
 
 CPU = torch.device("cpu")
 ROW = 2  # elements per KV row in the hand-built states
@@ -284,34 +285,20 @@ def _trace(rng: np.random.Generator, n: int, steps: int, k: int, positions: int)
 
 
 def _replay(ranked: np.ndarray, k: int, B: int, levels: torch.Tensor, resolver) -> np.ndarray:
-    """Run the trace through ``resolver``: request i holds positions 0..B-1 (their KV loaded) in
-    slots 0..B-1, LRU order by slot, history zero; its length is past every traced position (the newest is never
-    selected). Returns (n, steps) misses per request and step (from the plan counts)."""
+    """Run the trace through ``resolver`` (``replacement.replay``, with copies): request i holds
+    positions 0..B-1 (their KV loaded) in slots 0..B-1, LRU order by slot, history zero; its length
+    is past every traced position (the newest is never selected). Returns (n, steps) misses per
+    request and step (from the plan counts)."""
     n, steps, _ = ranked.shape
-    positions = int(ranked.max()) + 1
-    L = max(positions, B) + 1
-    hot_locs = torch.arange(n * (B + 1), dtype=torch.int32).view(n, B + 1)
-    slot_tokens = torch.arange(B, dtype=torch.int32).repeat(n, 1)
-    lru = torch.arange(B, dtype=torch.int16).repeat(n, 1)
-    history = torch.zeros((n, B), dtype=torch.int16)
-    host_locs = torch.arange(n * L, dtype=torch.int64).view(n, L)
-    host_kv = torch.arange(n * L, dtype=torch.float32).view(n * L, 1)
-    device_kv = torch.full((n * (B + 1), 1), -1.0)
-    device_kv[hot_locs[:, :B].long(), 0] = host_locs[:, :B].float()  # the staged first positions
-    out = torch.empty((n, k), dtype=torch.int32)
-    plan = MissPlan(torch.zeros((n, k), dtype=torch.int64), torch.zeros((n, k), dtype=torch.int32),
-                    torch.zeros(n, dtype=torch.int32))
-    misses = np.zeros((n, steps), dtype=np.int64)
-    for s in range(steps):
-        resolver(top_k_positions=torch.from_numpy(ranked[:, s]).to(torch.int32), seq_lens=torch.full((n,), L),
-                 req_pool_indices=torch.arange(n), hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru,
-                 host_locs=host_locs, host_kv=host_kv, device_kv=device_kv, out=out, num_real_reqs=n,
-                 device_buffer_size=B, plan=plan, slot_history=history, reuse_levels=levels)
-        misses[:, s] = plan.counts.numpy()
-        # every selection now reads its own KV
-        want = host_locs.gather(1, torch.from_numpy(ranked[:, s])).float()
-        assert torch.equal(device_kv[out.long(), 0], want)
-    return misses
+    L = max(int(ranked.max()) + 1, B) + 1
+
+    def reads_own_kv(step: int, state: ReplayState, out: torch.Tensor) -> None:
+        want = state.host_locs.gather(1, torch.from_numpy(ranked[:, step])).float()
+        assert torch.equal(state.device_kv[out.long(), 0], want)
+
+    result = replay_selections(bind_python(resolver), ranked, np.full(steps, L - 1), B, levels=levels,
+                               skip_io=False, on_step=reads_own_kv)
+    return result.misses
 
 
 @settings(max_examples=40, deadline=None)
