@@ -11,6 +11,8 @@
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
 #   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
+#   job = policy  -> python scripts/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
+#                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
 # Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
 # (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
 # files, the device tool's limit (scripts/gpu/pack_outputs.py).
@@ -45,6 +47,8 @@ run_job() {
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
     sweep) python3 scripts/gpu/sweep.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    policy) python3 scripts/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
+              | tee -a "$OUT/run.log" ;;
     demo) python3 -m sglang_hisparse.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac
