@@ -64,7 +64,8 @@ class ReplayState:
     and host rows ``i * L + p`` (position ``p``). With ``kv=False`` the KV buffers are one row
     each (only ``skip_io`` resolves may use them); with ``kv=True`` they are full and position
     ``p`` of request ``i`` holds the value ``i * L + p`` in every element, the staged positions
-    ``0..B-1`` already on the device.
+    ``0..B-1`` already on the device. (On a GPU the skip-IO device buffer has its full size, the
+    host buffer one row: the kernel must not touch them.)
     """
 
     B: int
@@ -96,9 +97,10 @@ class ReplayState:
             host_kv = torch.arange(n * L, dtype=torch.float32).view(n * L, 1).repeat(1, width)
             device_kv = torch.full((n * (B + 1), width), -1.0, device=device)
             device_kv[hot_locs[:, :B].long().flatten()] = host_kv[host_locs[:, :B].flatten().cpu()].to(device)
-        else:
+        else:  # skip-IO: nothing is copied; the device buffer keeps its real size on a GPU all the same
             host_kv = torch.zeros((1, width), dtype=torch.float32)
-            device_kv = torch.zeros((1, width), dtype=torch.float32, device=device)
+            device_kv = torch.zeros((n * (B + 1) if device.type == "cuda" else 1, width), dtype=torch.float32,
+                                    device=device)
         if device.type == "cuda":
             host_kv = host_kv.pin_memory()
         return cls(
@@ -168,8 +170,9 @@ def replay_selections(bind: Bind, ranked_topk: np.ndarray, query_pos: np.ndarray
     state = ReplayState.initial(n, B, k, int(qpos.max()) + 1, device=device, levels=levels, item_bytes=item_bytes,
                                 kv=not skip_io)
     resolve = bind(**state.static_kwargs(skip_io=skip_io))
-    sel_all = torch.from_numpy(np.ascontiguousarray(ranked_topk, dtype=np.int32)).to(device)
-    lens_all = torch.from_numpy(np.ascontiguousarray(qpos + 1, dtype=np.int64)).to(device)
+    # step-major, so each step's batch tensors are contiguous (the kernel reads rows of k and n)
+    sel_all = torch.from_numpy(np.ascontiguousarray(ranked_topk.transpose(1, 0, 2), dtype=np.int32)).to(device)
+    lens_all = torch.from_numpy(np.ascontiguousarray((qpos + 1).T, dtype=np.int64)).to(device)
     rows = torch.arange(n, dtype=torch.int64, device=device)
     out = torch.empty((n, k), dtype=torch.int32, device=device)
     per_step = torch.zeros((steps, n), dtype=torch.int32, device=device)
@@ -177,7 +180,7 @@ def replay_selections(bind: Bind, ranked_topk: np.ndarray, query_pos: np.ndarray
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for s in range(steps):
-        resolve(sel_all[:, s], lens_all[:, s], rows, out)
+        resolve(sel_all[s], lens_all[s], rows, out)
         per_step[s].copy_(state.plan.counts)
         if on_step is not None:
             on_step(s, state, out)
