@@ -437,6 +437,25 @@ def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, m
     return None
 
 
+def reuse_section(rows: list[dict[str, Any]], timing: str) -> list[str]:
+    """Markdown lines pairing ours_reuse with ours (LRU) on every cell that has both (none: [])."""
+    table = []
+    for B in BS:
+        for item in ITEMS:
+            for batch in BATCHES:
+                for miss in MISSES:
+                    o = find(rows, "ours", B, item, batch, miss, False, timing)
+                    r = find(rows, "ours_reuse", B, item, batch, miss, False, timing)
+                    if o and r:
+                        table.append(f"| {B} | {item} | {batch} | {miss:g} | {o['median_us']:.1f} | "
+                                     f"{r['median_us']:.1f} | {r['median_us'] / o['median_us']:.2f}x |")
+    if not table:
+        return []
+    return ["", "## The reuse-table policy's kernel (same cell, same misses)", "",
+            "| B | item B | batch | miss | ours (LRU) us | ours_reuse us | reuse / LRU |",
+            "|---|---|---|---|---|---|---|", *table]
+
+
 def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
     rows = result["rows"]
     timing = result.get("timing", ["eager"])
@@ -496,20 +515,7 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
             io = batch * n_misses(0.13) * 1152 / ((o["median_us"] - s["median_us"]) * 1e3)
             lines.append(f"- IO rate >= {IO_TARGET_GBPS:g} GB/s at 13% misses, batch {batch}: {io:.1f} GB/s, "
                          f"{'met' if io >= IO_TARGET_GBPS else 'MISSED'}")
-    reuse_lines = []
-    for B in BS:
-        for item in ITEMS:
-            for batch in BATCHES:
-                for miss in MISSES:
-                    o = find(rows, "ours", B, item, batch, miss, False, main)
-                    r = find(rows, "ours_reuse", B, item, batch, miss, False, main)
-                    if o and r:
-                        reuse_lines.append(f"| {B} | {item} | {batch} | {miss:g} | {o['median_us']:.1f} | "
-                                           f"{r['median_us']:.1f} | {r['median_us'] / o['median_us']:.2f}x |")
-    if reuse_lines:
-        lines += ["", "## The reuse-table policy's kernel (same cell, same misses)", "",
-                  "| B | item B | batch | miss | ours (LRU) us | ours_reuse us | reuse / LRU |",
-                  "|---|---|---|---|---|---|---|", *reuse_lines]
+    lines += reuse_section(rows, main)
     bad = [c["cell"] for c in result["checks"] if not c["ours_matches_oracle"]]
     lines += ["", f"Oracle check of our outputs on every cell: {'all match' if not bad else 'MISMATCH on ' + ', '.join(bad)}."]
     disagree = [c["cell"] for c in result["checks"] if c["upstream_agrees_with_ours"] is False]
