@@ -40,15 +40,22 @@ def run_to_decode(rig: Rig, reqs: list) -> None:
     assert ready == reqs
 
 
-def test_long_request_resolves_exactly_over_many_steps(gloo_world):
-    rig = Rig(gloo_world)
+def decode_one_long_request(rig: Rig, steps: int = 40) -> Request:
+    """A 300-token request through prefill and ``steps`` decode steps, every layer resolved and
+    checked exactly each step (70% of the selections from earlier ones); returns the request."""
     rng = random.Random(0)
     req = Request(uid=1, prompt_len=300)
     run_to_decode(rig, [req])
-    for _ in range(40):
+    for _ in range(steps):
         assert rig.decode_step([req])
         for layer in range(rig.layers):
             rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.7)])
+    return req
+
+
+def test_long_request_resolves_exactly_over_many_steps(gloo_world):
+    rig = Rig(gloo_world)
+    req = decode_one_long_request(rig)
     selected, misses = rig.coord.stats.totals()
     assert selected > 0 and 0 < misses < selected
     rig.release(req)
@@ -73,13 +80,7 @@ def test_long_request_with_the_reuse_policy(gloo_world, caplog):
         rig = Rig(gloo_world, replacement="reuse")
     assert "replacement policy reuse (history table: attention k=256 B=512)" in caplog.text
     assert rig.coord.hot.history is not None and Rig(gloo_world).coord.hot.history is None
-    rng = random.Random(0)
-    req = Request(uid=1, prompt_len=300)
-    run_to_decode(rig, [req])
-    for _ in range(40):
-        assert rig.decode_step([req])
-        for layer in range(rig.layers):
-            rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.7)])
+    req = decode_one_long_request(rig)
     history = rig.coord.hot.history[:, req.req_pool_idx]
     assert (history >> 8).gt(1).any(dim=1).all() and (history & 0xFF).gt(0).any(dim=1).all()
     selected, misses = rig.coord.stats.totals()

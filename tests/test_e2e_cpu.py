@@ -113,6 +113,20 @@ def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(servers):
         assert now == initial, (name, now, initial)
 
 
+def serve_once(tmp_path, config: str, name: str, *, max_total_tokens: int):
+    """Start a HiSparse server with ``config``, generate the prompts' greedy outputs, wait for the
+    idle report after them, stop it: (the stopped server, its outputs, the report)."""
+    server = start_server(hisparse_config=config, extra_args=COMMON, log_dir=tmp_path, name=name,
+                          max_total_tokens=max_total_tokens)
+    try:
+        before = len(server.idle_reports())
+        outputs = [o["output_ids"] for o in server.generate(prompts(), NEW_TOKENS)]
+        report = wait_for_idle_report(server, after=before)
+    finally:
+        server.stop()
+    return server, outputs, report
+
+
 def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(tmp_path, baseline_outputs):
     """Residency on, with a watermark (22% of the device pool) that every request clears at
     admission but that decode growth crosses: all requests start resident, the longest are
@@ -122,14 +136,7 @@ def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(tmp_pat
     # 3605; each request needs one new page within 64 steps, and the fourth page taken (step 24)
     # would leave 3584 < 3605: the longest request (3000 tokens) is demoted then.
     config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "residency": true, "residency_watermark": 0.22}}'
-    server = start_server(hisparse_config=config, extra_args=COMMON, log_dir=tmp_path, name="hisparse_residency",
-                          max_total_tokens=16384)
-    try:
-        before = len(server.idle_reports())
-        outputs = [o["output_ids"] for o in server.generate(prompts(), NEW_TOKENS)]
-        report = wait_for_idle_report(server, after=before)
-    finally:
-        server.stop()
+    server, outputs, report = serve_once(tmp_path, config, "hisparse_residency", max_total_tokens=16384)
     assert "device rows 16384 " in server.log(), "the watermark above assumes a 16384-row device pool"
     assert outputs == baseline_outputs
     assert report["admitted_resident"] == len(CONTEXTS) + 1 and report["demotions"] >= 1, report  # + warmup
@@ -142,14 +149,7 @@ def test_the_reuse_replacement_policy_keeps_outputs_identical(tmp_path, baseline
     is announced, outputs are identical to the server without HiSparse, and the resolver really
     missed (rows came from host)."""
     config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse"}}'
-    server = start_server(hisparse_config=config, extra_args=COMMON, log_dir=tmp_path, name="hisparse_reuse",
-                          max_total_tokens=32768)
-    try:
-        before = len(server.idle_reports())
-        outputs = [o["output_ids"] for o in server.generate(prompts(), NEW_TOKENS)]
-        report = wait_for_idle_report(server, after=before)
-    finally:
-        server.stop()
+    server, outputs, report = serve_once(tmp_path, config, "hisparse_reuse", max_total_tokens=32768)
     assert "replacement policy reuse (history table: attention k=256 B=512)" in server.log()
     assert outputs == baseline_outputs
     assert not report["leak"], report

@@ -317,9 +317,8 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
         cuda.resolve_cuda(**kw)
 
 
-def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
-    """The per-call fast path: tables validated once are skipped on later calls with the same
-    buffers; a different (bad) table, or a bad per-call argument, is still refused."""
+def _record_skip_io_launches(monkeypatch) -> list:
+    """Replace the kernel module by one whose skip-IO entry point records its arguments."""
     calls = []
 
     class FakeModule:
@@ -327,6 +326,13 @@ def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
             calls.append(args)
 
     monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    return calls
+
+
+def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
+    """The per-call fast path: tables validated once are skipped on later calls with the same
+    buffers; a different (bad) table, or a bad per-call argument, is still refused."""
+    calls = _record_skip_io_launches(monkeypatch)
     checked = []
     real_check = cuda._check_static_tables
     monkeypatch.setattr(cuda, "_check_static_tables", lambda *a: checked.append(1) or real_check(*a))
@@ -392,13 +398,7 @@ def _residency_kwargs(R: int = 4, context: int = 200, flag_dtype: torch.dtype = 
 
 @pytest.mark.parametrize("flag_dtype", [torch.uint8, torch.bool])
 def test_residency_tables_reach_the_kernel_in_place(monkeypatch, flag_dtype):
-    calls = []
-
-    class FakeModule:
-        def resolve_skip_io(self, *args):
-            calls.append(args)
-
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    calls = _record_skip_io_launches(monkeypatch)
     tables = _residency_kwargs(flag_dtype=flag_dtype)
     tables["req_to_token"] = torch.zeros(4, 210, dtype=torch.int32)[:, :200]  # a strided view is fine
     cuda.resolve_cuda(skip_io=True, **_valid_kwargs(), **tables)
@@ -496,13 +496,7 @@ def test_a_bound_reuse_resolver_hands_its_tables_to_the_kernel(monkeypatch):
     """replacement "reuse" with the kernel: the layer's history rows and the 54 cell levels reach
     the launcher right after the residency tables (the kernel's order), checked once at bind; bad
     tables are refused naming the tensor; without them the launcher gets empty tensors (LRU)."""
-    calls = []
-
-    class FakeModule:
-        def resolve_skip_io(self, *args):
-            calls.append(args)
-
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    calls = _record_skip_io_launches(monkeypatch)
     kw = _valid_kwargs()
     kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
     B = kw["device_buffer_size"]
@@ -609,13 +603,7 @@ def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monk
     """bind_resolve_cuda checks the unchanging arguments once and, per call, only the batch: the
     kernel receives the same arguments (same tensors, same order) as from resolve_cuda; bad batch
     tensors are still refused, and an int num_real_reqs (baked into a graph) is refused at bind."""
-    calls = []
-
-    class FakeModule:
-        def resolve_skip_io(self, *args):
-            calls.append(args)
-
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    calls = _record_skip_io_launches(monkeypatch)
     kw = _valid_kwargs()
     kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
     tables = _residency_kwargs()
