@@ -1400,19 +1400,16 @@ inline void set_residency(
 }  // namespace detail
 
 // Sets the smem attribute and returns CTAs per SM of the resolve kernel at this block size
-// (called by warmup_build before any CUDA-graph capture).
-template <int kItemBytes, int kB, int kTopK>
+// (called by warmup_build before any CUDA-graph capture). kReuse: the reuse-table policy's
+// kernels (a module holds one policy, so that a server builds only the one it uses).
+template <int kItemBytes, int kB, int kTopK, bool kReuse>
 int64_t resolve_prepare(int64_t block) {
   detail::check_block(block);
   const int dev = detail::current_device();
-  constexpr size_t smem = PlanLayout<kB, kTopK>::kBytes;
-  constexpr size_t smem_reuse = PlanLayout<kB, kTopK, true>::kBytes;
-  const int a = detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false>>(static_cast<int>(block), smem, dev);
-  detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true>>(static_cast<int>(block), smem, dev);
-  if constexpr (smem_reuse <= kMaxSmemBytes) {  // the reuse policy's kernels, where B fits them
-    detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false, true>>(static_cast<int>(block), smem_reuse, dev);
-    detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true, true>>(static_cast<int>(block), smem_reuse, dev);
-  }
+  constexpr size_t smem = PlanLayout<kB, kTopK, kReuse>::kBytes;
+  const int a =
+      detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, false, kReuse>>(static_cast<int>(block), smem, dev);
+  detail::prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, true, kReuse>>(static_cast<int>(block), smem, dev);
   return a;
 }
 
@@ -1420,8 +1417,9 @@ int64_t resolve_prepare(int64_t block) {
 // tensors are empty (residency: resident uint8/bool [>= table rows], req_to_token int32
 // [>= table rows, max_context] with contiguous columns, logical_to_device int64 [logical ids]).
 // num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
-// copies its own misses; > 0: that many copier CTAs.
-template <int kItemBytes, int kB, int kTopK, bool kSkipIO>
+// copies its own misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table
+// policy, which needs slot_history and reuse_levels (the LRU one refuses them).
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 void resolve(
     TensorView topk,
     TensorView seq_lens,
@@ -1475,6 +1473,9 @@ void resolve(
   rows = lru.size(0) < rows ? lru.size(0) : rows;
   rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
   const bool has_reuse = check_reuse(slot_history, reuse_levels, kB);
+  host::RuntimeCheck(has_reuse == kReuse, "hisparse: this entry point is built for the ",
+                     kReuse ? "reuse-table policy: slot_history and reuse_levels are required"
+                            : "LRU policy: slot_history and reuse_levels must be empty");
   if (has_reuse) rows = slot_history.size(0) < rows ? slot_history.size(0) : rows;
   const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
   check_table(out, 32, kTopK, "out");
@@ -1508,23 +1509,9 @@ void resolve(
                      "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
 
   const int dev = current_device();
-  constexpr size_t kSmemReuse = PlanLayout<kB, kTopK, true>::kBytes;
-  host::RuntimeCheck(!has_reuse || kSmemReuse <= kMaxSmemBytes, "hisparse: B and top_k too large for the reuse "
-                     "policy's shared memory (", kSmemReuse, " B)");
-  size_t smem = PlanLayout<kB, kTopK>::kBytes;
-  auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>;
-  int per_sm;
-  if constexpr (kSmemReuse <= kMaxSmemBytes) {
-    if (has_reuse) {
-      smem = kSmemReuse;
-      kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, true>;
-      per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, true>>(static_cast<int>(block), smem, dev);
-    } else {
-      per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>>(static_cast<int>(block), smem, dev);
-    }
-  } else {
-    per_sm = prepare_kernel<resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, false>>(static_cast<int>(block), smem, dev);
-  }
+  constexpr size_t smem = PlanLayout<kB, kTopK, kReuse>::kBytes;
+  constexpr auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, kReuse>;
+  const int per_sm = prepare_kernel<kernel>(static_cast<int>(block), smem, dev);
 
   int64_t copiers = 0;
   if constexpr (!kSkipIO) {

@@ -60,7 +60,7 @@ def per_call_us(batch: int, bound: bool, calls: int = 3000, B: int = 4096, K: in
 
 
 def main() -> int:
-    jit.resolve_module = lambda *a: _NoOpModule()  # this process only
+    jit.resolve_module = lambda *a, **k: _NoOpModule()  # this process only
     print(f"machine: {platform.machine()}, {platform.processor() or 'cpu'}, python {platform.python_version()}, "
           f"torch {torch.__version__}")
     for batch in (1, 16, 64):

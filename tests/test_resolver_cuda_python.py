@@ -9,6 +9,7 @@ import logging
 
 import random
 import shutil
+from typing import Optional
 
 import pytest
 import torch
@@ -317,15 +318,21 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
         cuda.resolve_cuda(**kw)
 
 
-def _record_skip_io_launches(monkeypatch) -> list:
-    """Replace the kernel module by one whose skip-IO entry point records its arguments."""
+def _record_skip_io_launches(monkeypatch, policies: Optional[list] = None) -> list:
+    """Replace the kernel module by one whose skip-IO entry point records its arguments;
+    ``policies`` (when given) receives the ``reuse`` flag of every module lookup."""
     calls = []
 
     class FakeModule:
         def resolve_skip_io(self, *args):
             calls.append(args)
 
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    def module(*args, reuse: bool = False):
+        if policies is not None:
+            policies.append(reuse)
+        return FakeModule()
+
+    monkeypatch.setattr(jit, "resolve_module", module)
     return calls
 
 
@@ -362,11 +369,23 @@ def test_warmup_build_logs_start_and_ready(monkeypatch, caplog):
         cuda.warmup_build(1152, 4096, 2048, 960)
     assert built == [2]
     text = caplog.text
-    assert "loading the resolve kernels (1152-byte rows, B=4096, top_k=2048)" in text
+    assert "loading the resolve kernels (1152-byte rows, B=4096, top_k=2048, LRU replacement)" in text
     assert "resolve kernels ready in" in text
     with pytest.raises(ValueError, match="block_size"):  # checked before anything is built
         cuda.warmup_build(1152, 4096, 2048, 100)
     assert built == [2]
+    requested = []
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, reuse=False: requested.append(reuse))
+    monkeypatch.setattr(jit, "replay_module", lambda *a: None)
+    monkeypatch.setattr(jit, "build_all", lambda jobs: [job() for job in jobs] and [object(), object()])
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.resolver.cuda"):
+        cuda.warmup_build(1152, 4096, 2048, 960, reuse=True)
+    assert requested == [True] and "top_k=2048, reuse-table replacement)" in caplog.text
+    limit = cuda.largest_buffer_size(2048, reuse=True)
+    assert limit < cuda.largest_buffer_size(2048)  # the policy's arrays take shared memory
+    with pytest.raises(ValueError, match=f"with replacement=reuse needs .* \\(at most {limit}\\)"):
+        cuda.warmup_build(1152, limit + 1, 2048, 960, reuse=True)
+    cuda.check_supported(1152, limit + 1, 2048)  # LRU still fits
 
 
 def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
@@ -379,7 +398,7 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
         def resolve(self, *args):
             raise AssertionError("skip_io must pick the skip-IO entry point")
 
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: FakeModule())
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
@@ -425,7 +444,7 @@ def test_residency_tables_reach_the_kernel_in_place(monkeypatch, flag_dtype):
     ],
 )
 def test_resolve_cuda_rejects_bad_residency_tables(change, message, monkeypatch):
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: (_ for _ in ()).throw(AssertionError("no build")))
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no build")))
     monkeypatch.setattr(cuda, "_static_checked", {})
     tables = _residency_kwargs()
     change(tables)
@@ -440,7 +459,7 @@ def test_int_num_real_reqs_goes_through_the_workspace_scalar(monkeypatch):
         def resolve_skip_io(self, *args):
             seen.append(args[10])
 
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: FakeModule())
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: FakeModule())
     kw = _valid_kwargs()
     kw["num_real_reqs"] = 2
     cuda.resolve_cuda(skip_io=True, **kw)
@@ -448,7 +467,7 @@ def test_int_num_real_reqs_goes_through_the_workspace_scalar(monkeypatch):
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
-    monkeypatch.setattr(jit, "resolve_module", lambda *a: (_ for _ in ()).throw(AssertionError("no launch")))
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: (_ for _ in ()).throw(AssertionError("no launch")))
     kw = _valid_kwargs(n=0)
     cuda.resolve_cuda(skip_io=True, **kw)
 
@@ -495,8 +514,10 @@ def test_auto_refuses_a_gpu_the_kernel_does_not_run_on(platform, seen):
 def test_a_bound_reuse_resolver_hands_its_tables_to_the_kernel(monkeypatch):
     """replacement "reuse" with the kernel: the layer's history rows and the 54 cell levels reach
     the launcher right after the residency tables (the kernel's order), checked once at bind; bad
-    tables are refused naming the tensor; without them the launcher gets empty tensors (LRU)."""
-    calls = _record_skip_io_launches(monkeypatch)
+    tables are refused naming the tensor; without them the launcher gets empty tensors (LRU). Each
+    policy has its own kernel module."""
+    policies: list = []
+    calls = _record_skip_io_launches(monkeypatch, policies)
     kw = _valid_kwargs()
     kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
     B = kw["device_buffer_size"]
@@ -515,6 +536,7 @@ def test_a_bound_reuse_resolver_hands_its_tables_to_the_kernel(monkeypatch):
     at = 3 + 6 + 2 + 4 + 3  # top_k, seq_lens, rpi; tables; out, num_real; plan, counters; residency
     assert args[at] is history and args[at + 1] is levels
     assert lru_args[at].numel() == 0 and lru_args[at + 1].numel() == 0
+    assert policies == [True, False]
     for bad, message in ((dict(reuse_levels=levels.to(torch.int32)), "reuse_levels must be uint8"),
                          (dict(reuse_levels=torch.full((54,), 64, dtype=torch.uint8)), "< 64"),
                          (dict(slot_history=history[:, :-1]), "slot_history"),
@@ -556,10 +578,14 @@ def test_kernel_source_ships_with_the_package():
 
 def test_module_names_carry_every_template_parameter():
     wrappers = dict(jit.resolve_wrappers(656, 2048, 512))
-    assert wrappers["resolve"] == "hisparse::resolve<656, 2048, 512, false>"
-    assert wrappers["resolve_skip_io"] == "hisparse::resolve<656, 2048, 512, true>"
-    assert wrappers["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512>"
+    assert wrappers["resolve"] == "hisparse::resolve<656, 2048, 512, false, false>"
+    assert wrappers["resolve_skip_io"] == "hisparse::resolve<656, 2048, 512, true, false>"
+    assert wrappers["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512, false>"
     assert jit.resolve_module_name(656, 2048, 512) == "hisparse_resolve_656_2048_512"
+    reuse = dict(jit.resolve_wrappers(656, 2048, 512, reuse=True))  # the policy's own module
+    assert reuse["resolve"] == "hisparse::resolve<656, 2048, 512, false, true>"
+    assert reuse["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512, true>"
+    assert jit.resolve_module_name(656, 2048, 512, reuse=True) == "hisparse_resolve_reuse_656_2048_512"
     assert dict(jit.replay_wrappers(1152))["replay"] == "hisparse::replay<1152>"
 
 

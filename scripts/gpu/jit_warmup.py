@@ -50,8 +50,9 @@ def main() -> int:
             timings[name] = round(time.time() - s, 1)
         return job
 
-    jobs = [timed(f"resolve_{i}_{b}_{k}", lambda i=i, k=k, b=b: jit.resolve_module(i, b, k))
-            for i in ITEMS for k, b in TEST_CONFIGS]
+    jobs = [timed(f"resolve{'_reuse' if r else ''}_{i}_{b}_{k}",
+                  lambda i=i, k=k, b=b, r=r: jit.resolve_module(i, b, k, reuse=r))
+            for i in ITEMS for k, b in TEST_CONFIGS for r in (False, True)]
     jobs += [timed(f"replay_{i}", lambda i=i: jit.replay_module(i)) for i in ITEMS]
     upstream_error = None
     try:

@@ -81,34 +81,36 @@ def planner_smem_bytes(device_buffer_size: int, top_k: int, reuse: bool = False)
     return end
 
 
-def largest_buffer_size(top_k: int) -> int:
+def largest_buffer_size(top_k: int, reuse: bool = False) -> int:
     """The largest B whose planner fits :data:`MAX_SMEM_BYTES` for ``top_k`` (0 when none does;
     the layout grows with B, so a binary search over ``[top_k, MAX_SLOTS]`` finds it)."""
-    if planner_smem_bytes(top_k, top_k) > MAX_SMEM_BYTES:
+    if planner_smem_bytes(top_k, top_k, reuse) > MAX_SMEM_BYTES:
         return 0
     low, high = top_k, MAX_SLOTS
     while low < high:
         mid = (low + high + 1) // 2
-        if planner_smem_bytes(mid, top_k) <= MAX_SMEM_BYTES:
+        if planner_smem_bytes(mid, top_k, reuse) <= MAX_SMEM_BYTES:
             low = mid
         else:
             high = mid - 1
     return low
 
 
-def check_supported(item_bytes: int, device_buffer_size: int, top_k: int) -> None:
-    """Raise ValueError unless the kernel can be built for this configuration."""
+def check_supported(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> None:
+    """Raise ValueError unless the kernel (``reuse``: the reuse-table policy's) can be built for
+    this configuration."""
     if item_bytes <= 0 or item_bytes % 16 != 0:
         raise ValueError(f"hisparse kernel: KV rows must be a positive multiple of 16 bytes, got {item_bytes}")
     if not 1 <= top_k <= device_buffer_size <= MAX_SLOTS:
         raise ValueError(
             f"hisparse kernel: need 1 <= top_k ({top_k}) <= B ({device_buffer_size}) <= {MAX_SLOTS}"
         )
-    smem = planner_smem_bytes(device_buffer_size, top_k)
+    smem = planner_smem_bytes(device_buffer_size, top_k, reuse)
     if smem > MAX_SMEM_BYTES:
         raise ValueError(
-            f"hisparse kernel: B={device_buffer_size}, top_k={top_k} needs {smem} B of shared memory "
-            f"per CTA (limit {MAX_SMEM_BYTES}); use a smaller device_buffer_size"
+            f"hisparse kernel: B={device_buffer_size}, top_k={top_k}{' with replacement=reuse' if reuse else ''} "
+            f"needs {smem} B of shared memory per CTA (limit {MAX_SMEM_BYTES}); use a smaller device_buffer_size "
+            f"(at most {largest_buffer_size(top_k, reuse)})"
         )
 
 
@@ -256,7 +258,7 @@ def _signature(t: torch.Tensor) -> tuple:
 
 def _check_static_tables(
     B: int, top_k: int, skip_io: bool, device: torch.device, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
-    lru: torch.Tensor, host_locs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor,
+    lru: torch.Tensor, host_locs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor, reuse: bool = False,
 ) -> int:
     """The checks of resolve_cuda's per-request tables and KV buffers; returns the KV row bytes."""
     _check_table(hot_locs, torch.int32, "hot_locs", device)
@@ -269,7 +271,7 @@ def _check_static_tables(
     _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
     item_bytes = kv_item_bytes(device_kv)
     _check(kv_item_bytes(host_kv) == item_bytes, "host_kv and device_kv rows differ in size")
-    check_supported(item_bytes, B, top_k)
+    check_supported(item_bytes, B, top_k, reuse)
     if not skip_io:
         _check_host_kv(host_kv)
         _check_rows_kv(host_kv, "host_kv")
@@ -318,6 +320,8 @@ class _Static:
 
     item_bytes: int
     skip_io: bool
+    reuse: bool
+    """the reuse-table policy's kernel module (else LRU's)"""
     tables: tuple
     """(hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv)"""
     extras: tuple
@@ -336,7 +340,7 @@ def _validate_static(
     B, device = int(device_buffer_size), workspace.device
     block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
     item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
-                                      device_kv)
+                                      device_kv, reuse is not None)
     table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
     if reuse is not None:
         _check_reuse(*reuse, B, table_rows, device)
@@ -356,7 +360,8 @@ def _validate_static(
         resident, req_to_token, logical_to_device, slot_history, levels, workspace.state, workspace.flat_host_rows,
         workspace.flat_device_rows, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
     )
-    return _Static(item_bytes, bool(skip_io), (hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv), extras)
+    return _Static(item_bytes, bool(skip_io), reuse is not None, (hot_locs, slot_tokens, lru, host_locs, host_kv,
+                                                                  device_kv), extras)
 
 
 def _check_plan(plan: MissPlan, top_k: int, device: torch.device) -> None:
@@ -408,9 +413,10 @@ def _launch(fn, static: _Static, top_k_positions, seq_lens, req_pool_indices, ou
 
 def _kernel(static: _Static, B: int, top_k: int, stage_clock: Union[bool, str] = False):
     if stage_clock:
-        module = jit.resolve_stage_clock_module(static.item_bytes, B, top_k, twice=stage_clock == "twice")
+        module = jit.resolve_stage_clock_module(static.item_bytes, B, top_k, twice=stage_clock == "twice",
+                                                reuse=static.reuse)
     else:
-        module = jit.resolve_module(static.item_bytes, B, top_k)
+        module = jit.resolve_module(static.item_bytes, B, top_k, reuse=static.reuse)
     return module.resolve_skip_io if static.skip_io else module.resolve
 
 
@@ -587,22 +593,23 @@ def _check_replay(plan: MissPlan, host_kv: torch.Tensor, device_kv: torch.Tensor
     return item_bytes
 
 
-def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_size: int) -> None:
+def warmup_build(item_bytes: int, device_buffer_size: int, top_k: int, block_size: int, reuse: bool = False) -> None:
     """Build (or load from the JIT cache) every kernel a server with this configuration uses:
-    resolve with and without IO and the plan replay, concurrently; then, on a CUDA device, set
-    their launch attributes for ``block_size``. Call at start-up, before CUDA-graph capture.
+    resolve with and without IO (``reuse``: the reuse-table policy's module, else LRU's) and the
+    plan replay, concurrently; then, on a CUDA device, set their launch attributes for
+    ``block_size``. Call at start-up, before CUDA-graph capture.
     """
-    check_supported(item_bytes, device_buffer_size, top_k)
+    check_supported(item_bytes, device_buffer_size, top_k, reuse)
     check_block_size(block_size)
     logger.info(
-        "sglang-hisparse: loading the resolve kernels (%d-byte rows, B=%d, top_k=%d); the first build on "
-        "a machine runs nvcc (~20-60 s), later starts load them from the JIT cache",
-        item_bytes, device_buffer_size, top_k,
+        "sglang-hisparse: loading the resolve kernels (%d-byte rows, B=%d, top_k=%d, %s replacement); the first "
+        "build on a machine runs nvcc (~20-60 s), later starts load them from the JIT cache",
+        item_bytes, device_buffer_size, top_k, "reuse-table" if reuse else "LRU",
     )
     start = time.monotonic()
     resolve_mod, _ = jit.build_all(
         [
-            lambda: jit.resolve_module(item_bytes, device_buffer_size, top_k),
+            lambda: jit.resolve_module(item_bytes, device_buffer_size, top_k, reuse=reuse),
             lambda: jit.replay_module(item_bytes),
         ]
     )

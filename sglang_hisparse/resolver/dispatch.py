@@ -151,7 +151,8 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
         workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
-            cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size)
+            cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size,
+                                       reuse=config.replacement == "reuse")
 
         replay = functools.partial(cuda_resolver.replay_plan_cuda, workspace=workspace)
 

@@ -9,8 +9,10 @@ Modules (every template parameter is in the module name, so it is in the cache k
 
 * ``hisparse_resolve_<item_bytes>_<B>_<top_k>``: ``resolve`` (copies), ``resolve_skip_io``
   (plans and updates tables, copies nothing) and ``resolve_prepare`` (smem attribute and
-  occupancy, called before CUDA-graph capture). The block size is a launch parameter: one module
-  serves every legal block size.
+  occupancy, called before CUDA-graph capture), with LRU replacement. The block size is a launch
+  parameter: one module serves every legal block size.
+* ``hisparse_resolve_reuse_<item_bytes>_<B>_<top_k>``: the same entry points with the reuse-table
+  policy (``replacement: "reuse"``); a server builds only the module of its policy.
 * ``hisparse_replay_<item_bytes>``: ``replay`` (copy-only replay of a miss plan).
 
 Side effects: building runs nvcc (seconds to tens of seconds, once per machine and cache dir) and
@@ -49,17 +51,23 @@ def kernel_source() -> Path:
     return path
 
 
-def resolve_module_name(item_bytes: int, device_buffer_size: int, top_k: int) -> str:
-    return f"hisparse_resolve_{item_bytes}_{device_buffer_size}_{top_k}"
+def resolve_module_name(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> str:
+    return f"{_resolve_base(reuse)}_{item_bytes}_{device_buffer_size}_{top_k}"
 
 
-def resolve_wrappers(item_bytes: int, device_buffer_size: int, top_k: int) -> list[tuple[str, str]]:
-    """(export name, C++ function) pairs of a resolve module."""
+def _resolve_base(reuse: bool) -> str:
+    return "hisparse_resolve_reuse" if reuse else "hisparse_resolve"
+
+
+def resolve_wrappers(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False
+                     ) -> list[tuple[str, str]]:
+    """(export name, C++ function) pairs of a resolve module (``reuse``: the reuse-table policy's)."""
     args = f"{item_bytes}, {device_buffer_size}, {top_k}"
+    policy = "true" if reuse else "false"
     return [
-        ("resolve", f"hisparse::resolve<{args}, false>"),
-        ("resolve_skip_io", f"hisparse::resolve<{args}, true>"),
-        ("resolve_prepare", f"hisparse::resolve_prepare<{args}>"),
+        ("resolve", f"hisparse::resolve<{args}, false, {policy}>"),
+        ("resolve_skip_io", f"hisparse::resolve<{args}, true, {policy}>"),
+        ("resolve_prepare", f"hisparse::resolve_prepare<{args}, {policy}>"),
     ]
 
 
@@ -167,26 +175,27 @@ def _load_with_tvm_ffi(key: str, source: str, wrappers: list[tuple[str, str]], e
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_module(item_bytes: int, device_buffer_size: int, top_k: int) -> Any:
-    """The resolve module for one (item size, B, top_k); built on first use, then cached."""
+def resolve_module(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> Any:
+    """The resolve module for one (item size, B, top_k, policy); built on first use, then cached."""
     return _load(
-        "hisparse_resolve",
+        _resolve_base(reuse),
         (item_bytes, device_buffer_size, top_k),
-        resolve_wrappers(item_bytes, device_buffer_size, top_k),
+        resolve_wrappers(item_bytes, device_buffer_size, top_k, reuse),
     )
 
 
 @functools.lru_cache(maxsize=None)
-def resolve_stage_clock_module(item_bytes: int, device_buffer_size: int, top_k: int, twice: bool = False) -> Any:
+def resolve_stage_clock_module(item_bytes: int, device_buffer_size: int, top_k: int, twice: bool = False,
+                               reuse: bool = False) -> Any:
     """Diagnostic build of the resolve module (``-DHISPARSE_STAGE_CLOCK``): CTA 0 writes per-stage
     clock stamps into the workspace (see ``kernels/resolve.cuh``); ``twice``: the skip-IO kernel
     plans twice per launch and keeps the second pass's stamps (warm instruction caches). For
     benchmarks only; a separate module name keeps it out of the production cache entry."""
     flags = ("-DHISPARSE_STAGE_CLOCK",) + (("-DHISPARSE_STAGE_CLOCK_TWICE",) if twice else ())
     return _load(
-        "hisparse_resolve_stage_clock" + ("_twice" if twice else ""),
+        _resolve_base(reuse) + "_stage_clock" + ("_twice" if twice else ""),
         (item_bytes, device_buffer_size, top_k),
-        resolve_wrappers(item_bytes, device_buffer_size, top_k),
+        resolve_wrappers(item_bytes, device_buffer_size, top_k, reuse),
         extra_flags=flags,
     )
 

@@ -66,7 +66,8 @@ def _combo(c: int) -> tuple[int, int, int, int]:
 def built() -> float:
     """Build every module the cases use (concurrently; cached on disk by the JIT)."""
     start = time.time()
-    jobs = [lambda i=i, k=k, b=b: jit.resolve_module(i, b, k) for i in ITEMS for k, b in CONFIGS]
+    jobs = [lambda i=i, k=k, b=b, r=r: jit.resolve_module(i, b, k, reuse=r)
+            for i in ITEMS for k, b in CONFIGS for r in (False, True)]
     jobs += [lambda i=i: jit.replay_module(i) for i in ITEMS]
     jit.build_all(jobs)
     return time.time() - start
