@@ -41,7 +41,7 @@ import torch  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver.batched import resolve_batched  # noqa: E402
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
-from sglang_hisparse.resolver.cases import kv_view  # noqa: E402
+from sglang_hisparse.resolver.cases import kv_view, random_history  # noqa: E402
 from sglang_hisparse.resolver.report import machine_description, write_json  # noqa: E402
 
 TOP_K = 2048
@@ -171,11 +171,8 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
     host_kv = kv_view(bench.host, item)
     device_kv = kv_view(bench.device_flat[: R * (B + 1) * item], item)
     up_tokens = torch.cat([tokens.to(torch.int32), torch.full((R, 1), L - 1, dtype=torch.int32, device=dev)], dim=1)
-    # the reuse policy's state: ages skewed small (as in a running cache), counts 0-31
-    age = torch.randint(0, 256, (R, B), generator=g, device=dev) >> torch.randint(0, 8, (R, B), generator=g, device=dev)
-    count = torch.randint(0, 32, (R, B), generator=g, device=dev)
     return dict(
-        hist0=(age | (count << 8)).to(torch.int16).contiguous(),
+        hist0=random_history(g, (R, B)).contiguous(),  # the reuse policy's state
         levels=reuse_levels(history_table().table).to(dev),
         B=B, item=item, batch=batch, miss_frac=miss_frac, misses=M,
         top_k_positions=sel,

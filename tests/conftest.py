@@ -5,6 +5,8 @@
 * ``sglang_parallel``: SGLang's parallel-width overrides (attention TP/DCP of one).
 * ``run_fresh_python``: run code in a fresh interpreter, so plugin loading and class
   replacement are observed from a clean process, as SGLang's spawned schedulers see them.
+* ``pool`` and ``bufs``: the host pool and the two flat device KV buffers of random resolve
+  cases (``sglang_hisparse/resolver/cases.py``), on CPU, one of each per test module.
 
 Pinned memory is never requested on CPU: our host pool takes ``pin_memory`` as an argument.
 """
@@ -19,6 +21,9 @@ import textwrap
 from typing import Iterator, Optional
 
 import pytest
+import torch
+
+from sglang_hisparse.resolver.cases import HostPool
 
 
 def free_port() -> int:
@@ -73,3 +78,15 @@ class FreshPython:
 @pytest.fixture
 def run_fresh_python() -> FreshPython:
     return FreshPython()
+
+
+@pytest.fixture(scope="module")
+def pool() -> HostPool:
+    """Host pool of random resolve cases (4 MiB, not pinned)."""
+    return HostPool(4 << 20, torch.device("cpu"), pin=False, seed=7)
+
+
+@pytest.fixture(scope="module")
+def bufs() -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel-side and reference-side flat device KV buffers of random resolve cases."""
+    return torch.empty(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)

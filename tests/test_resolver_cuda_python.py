@@ -19,7 +19,6 @@ from sglang_hisparse.resolver import cuda, dispatch, jit
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched
 from sglang_hisparse.resolver.cases import (
     CaseSpec,
-    HostPool,
     differences,
     make_case,
     random_spec,
@@ -27,16 +26,6 @@ from sglang_hisparse.resolver.cases import (
 from sglang_hisparse.resolver.reference import MissPlan, replay_plan_reference, resolve_reference
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def pool() -> HostPool:
-    return HostPool(4 << 20, CPU, pin=False, seed=7)
-
-
-@pytest.fixture(scope="module")
-def bufs() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
 
 
 def _loop_vs_batched(case) -> list[str]:

@@ -34,30 +34,11 @@ from sglang_hisparse.replacement.reuse import (
 from sglang_hisparse.replacement.replay import ReplayState, bind_python, replay_selections
 from sglang_hisparse.replacement.simulator import simulate
 from sglang_hisparse.resolver.batched import resolve_batched
-from sglang_hisparse.resolver.cases import HostPool, differences, make_case, random_spec
+from sglang_hisparse.resolver.cases import differences, make_case, random_history, random_spec
 from sglang_hisparse.resolver.reference import resolve_reference
 
 CPU = torch.device("cpu")
 ROW = 2  # elements per KV row in the hand-built states
-
-
-@pytest.fixture(scope="module")
-def pool() -> HostPool:
-    return HostPool(4 << 20, CPU, pin=False, seed=11)
-
-
-@pytest.fixture(scope="module")
-def bufs() -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty(16 << 20, dtype=torch.uint8), torch.empty(16 << 20, dtype=torch.uint8)
-
-
-def random_history(gen: torch.Generator, rows: int, B: int) -> torch.Tensor:
-    """Packed history with ages and counts over their whole ranges (often small, at times saturated)."""
-    age = torch.where(torch.rand(rows, B, generator=gen) < 0.7, torch.randint(0, 8, (rows, B), generator=gen),
-                      torch.randint(0, 256, (rows, B), generator=gen))
-    count = torch.where(torch.rand(rows, B, generator=gen) < 0.7, torch.randint(0, 6, (rows, B), generator=gen),
-                        torch.randint(0, 128, (rows, B), generator=gen))
-    return pack(age, count)
 
 
 # --- the table and its levels ------------------------------------------------------------------
@@ -219,7 +200,7 @@ def test_flat_levels_are_exactly_lru(pool, bufs):
         flat = torch.full((CELLS,), int(torch.randint(0, 54, (1,), generator=gen)), dtype=torch.uint8)
         for resolver in (resolve_reference, resolve_batched):
             case = make_case(spec, pool, *bufs, CPU)
-            history = random_history(gen, spec.max_reqs, spec.B)
+            history = random_history(gen, (spec.max_reqs, spec.B))
             resolve_reference(**case.kernel_kwargs())
             resolver(**_with_policy(case, history, flat))
             bad = differences(case)
@@ -237,7 +218,7 @@ def test_batched_matches_reference_with_the_policy(pool, bufs):
         if spec.seed % 3 == 0:
             table = torch.round(table * 3) / 3
         levels = reuse_levels(table)
-        history = random_history(gen, spec.max_reqs, spec.B)
+        history = random_history(gen, (spec.max_reqs, spec.B))
         case = make_case(spec, pool, *bufs, CPU)
         ref_history, batched_history = history.clone(), history.clone()
         loop_kw = dict(case.kernel_kwargs(), slot_history=ref_history, reuse_levels=levels)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.resolver.batched import resolve_batched
+from sglang_hisparse.resolver.cases import random_history
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference
 from sglang_hisparse.resolver.verify import _union_rows, resolve_verify
 
@@ -112,7 +113,7 @@ def test_batched_oracle_equals_the_loop_reference_on_random_verify_batches(polic
         lens = [rng.choice([rng.randrange(1, B), rng.randrange(B, 4 * B + 20)]) for _ in range(R)]
         state = _state(rng, R=R, B=B, N=N, lens=lens, ctx=4 * B + 30)
         if policy == "reuse":
-            state["slot_history"] = torch.randint(0, 1 << 14, (R, B), dtype=torch.int16)
+            state["slot_history"] = random_history(torch.Generator().manual_seed(rng.randrange(1 << 30)), (R, B))
         order = torch.randperm(R)[:n]
         rows = _rows(rng, state["slot_tokens"][order], [lens[i] for i in order], N, k)
         seq = torch.tensor([lens[i] for i in order])

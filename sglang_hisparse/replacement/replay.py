@@ -17,6 +17,7 @@ kernel (build it first with ``cuda.warmup_build``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -29,7 +30,6 @@ BoundResolve = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 Bind = Callable[..., BoundResolve]
 #: Called after every step with (step, state, out) (tests check the KV rows the step reads).
 StepHook = Callable[[int, "ReplayState", torch.Tensor], None]
-POLICIES = ("lru", "reuse")
 
 
 def bind_python(resolver: Callable[..., None]) -> Bind:
@@ -153,8 +153,6 @@ def replay_selections(bind: Bind, ranked_topk: np.ndarray, query_pos: np.ndarray
     of each step (> every position it selects). ``skip_io=False`` allocates full KV buffers and
     copies. Raises ValueError on malformed traces, AssertionError if the resolver's counters
     disagree with its plan."""
-    import time
-
     ranked_topk = np.asarray(ranked_topk)
     if ranked_topk.ndim != 3:
         raise ValueError(f"ranked_topk must be [n, steps, k], got shape {ranked_topk.shape}")

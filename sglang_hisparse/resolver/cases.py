@@ -180,18 +180,25 @@ def _reuse_knobs(rng: random.Random) -> dict[str, Any]:
     return dict(reuse=rng.random() < 0.4, reuse_levels=rng.choice([1, 3, 54, 54]))
 
 
+def random_history(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Random packed history words (int16, ``age | count << 8``) on ``gen``'s device, over the
+    fields' whole ranges as a running cache has them: ages skewed small (shifted down by a random
+    0-7 bits) with 10% saturated at 255, counts in [0, 127] skewed small the same way."""
+    dev = gen.device
+
+    def skewed(high: int, max_shift: int) -> torch.Tensor:
+        return (torch.randint(0, high, shape, generator=gen, device=dev)
+                >> torch.randint(0, max_shift + 1, shape, generator=gen, device=dev))
+
+    age = torch.where(torch.rand(shape, generator=gen, device=dev) < 0.1, 255, skewed(1 << 8, 7))
+    return (age | (skewed(128, 6) << 8)).to(torch.int16)
+
+
 def _reuse_tables(spec: CaseSpec, gen: torch.Generator, R: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``reuse_levels`` uint8 [54] (values in [0, spec.reuse_levels)) and per-layer history words
-    int16 [layers, R, B]: ages skewed small with some saturated at 255, counts in [0, 127]."""
-    dev = gen.device
-    levels = torch.randint(0, spec.reuse_levels, (54,), generator=gen, device=dev).to(torch.uint8)
-    shape = (spec.layers, R, spec.B)
-    age = torch.where(torch.rand(shape, generator=gen, device=dev) < 0.1, 255,
-                      torch.randint(0, 1 << 8, shape, generator=gen, device=dev)
-                      >> torch.randint(0, 8, shape, generator=gen, device=dev))
-    count = torch.randint(0, 128, shape, generator=gen, device=dev) >> torch.randint(0, 7, shape, generator=gen,
-                                                                                      device=dev)
-    return levels, (age | (count << 8)).to(torch.int16)
+    int16 [layers, R, B] (:func:`random_history`)."""
+    levels = torch.randint(0, spec.reuse_levels, (54,), generator=gen, device=gen.device).to(torch.uint8)
+    return levels, random_history(gen, (spec.layers, R, spec.B))
 
 
 def _residency_knobs(rng: random.Random) -> dict[str, Any]:

@@ -281,15 +281,15 @@ def _check_static_tables(
 
 def _check_reuse(slot_history: torch.Tensor, reuse_levels: torch.Tensor, B: int, table_rows: int,
                  device: torch.device) -> None:
-    """The checks of the reuse policy's tensors (the kernel's ``check_reuse``), and of the levels'
-    values, which the kernel masks to [0, 64): read once, at bind time (a host sync)."""
+    """The checks of the reuse policy's tensors the kernel needs beyond ``policy_tables`` (which
+    has checked their dtypes and the 54 levels): layout, device, rows, and the levels' values,
+    which the kernel masks to [0, 64), read once, at bind time (a host sync)."""
     _check_table(slot_history, torch.int16, "slot_history", device)
     _check(slot_history.shape[0] >= table_rows and slot_history.shape[1] == B,
            f"slot_history needs >= {table_rows} rows and B = {B} columns, has {tuple(slot_history.shape)}")
-    _check(reuse_levels.dim() == 1 and reuse_levels.dtype == torch.uint8 and reuse_levels.device == device
-           and reuse_levels.shape[0] == 54 and reuse_levels.is_contiguous(),
-           f"reuse_levels must be a contiguous uint8 [54] tensor on {device}, got {reuse_levels.dtype} "
-           f"{tuple(reuse_levels.shape)} on {reuse_levels.device}")
+    _check(reuse_levels.dim() == 1 and reuse_levels.device == device and reuse_levels.is_contiguous(),
+           f"reuse_levels must be a contiguous 1-D tensor on {device}, got {tuple(reuse_levels.shape)} "
+           f"on {reuse_levels.device}")
     _check(int(reuse_levels.max()) < 64, "reuse_levels values must be < 64 (the kernel's level histogram)")
 
 
