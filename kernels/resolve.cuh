@@ -57,6 +57,8 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <initializer_list>
 
 namespace hisparse {
 
@@ -1399,6 +1401,217 @@ inline void set_residency(
 
 }  // namespace detail
 
+// A layer's launch parameters that do not change between calls: checked once by bind_layer (the
+// `bind` entry points write it into a CPU byte tensor the caller keeps), completed per call with
+// the batch by launch_bound (the `launch` entry points). A server's eager call then passes 5
+// tensors instead of 26 and re-checks only the batch.
+struct BoundResolve {
+  uint64_t key;  // bound_key of the entry point that wrote it (a launch refuses another's)
+  ResolveParams p;  // every field except the batch's: topk, seq_lens, req_pool_indices, out, num_reqs
+  int64_t miss_capacity;  // entries of the workspace miss list (host and device lists)
+  int64_t plan_rows;  // rows of the plan tensors (INT64_MAX without a plan)
+  int64_t block;
+  int64_t num_copiers;
+  int32_t device_type;  // DLPack device of every bound tensor (checked against the batch's)
+  int32_t device_id;
+};
+
+inline constexpr int64_t kBoundBytes = 512;  // size of the byte tensor Python allocates (>= sizeof)
+static_assert(sizeof(BoundResolve) <= kBoundBytes, "BoundResolve outgrew the bound byte tensor");
+
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
+constexpr uint64_t bound_key() {
+  return (uint64_t{0xB5} << 56) | (uint64_t(kItemBytes) << 40) | (uint64_t(kB) << 20) | (uint64_t(kTopK) << 2) |
+         (uint64_t(kSkipIO) << 1) | uint64_t(kReuse);
+}
+
+namespace detail {
+
+inline bool same_device(const TensorView& t, int32_t type, int32_t id) {
+  return t.device().device_type == type && t.device().device_id == id;
+}
+
+// Every check of a layer's unchanging arguments, then the BoundResolve. No CUDA call: the device
+// is the tensors' own (all bound tensors must share it) and the occupancy is looked up at launch.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
+BoundResolve bind_layer(
+    const TensorView& hot_locs, const TensorView& slot_tokens, const TensorView& lru, const TensorView& host_locs,
+    const TensorView& host_kv, const TensorView& device_kv, const TensorView& num_real_reqs,
+    const TensorView& plan_host, const TensorView& plan_dev, const TensorView& plan_counts,
+    const TensorView& counters, const TensorView& resident, const TensorView& req_to_token,
+    const TensorView& logical_to_device, const TensorView& slot_history, const TensorView& reuse_levels,
+    const TensorView& ws_state, const TensorView& ws_flat_host, const TensorView& ws_flat_dev, int64_t block,
+    int64_t num_copiers, int64_t spin_timeout_ns) {
+  check_block(block);
+  check_table(hot_locs, 32, kB + 1, "hot_locs");
+  check_table(slot_tokens, 32, kB, "slot_tokens");
+  check_table(lru, 16, kB, "lru");
+  check_table(host_locs, 64, 1, "host_locs");
+  host::RuntimeCheck(slot_tokens.size(1) == kB && lru.size(1) == kB, "hisparse: slot_tokens / lru must have B columns");
+  int64_t rows = hot_locs.size(0);  // rows valid in all four tables
+  rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
+  rows = lru.size(0) < rows ? lru.size(0) : rows;
+  rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
+  const bool has_reuse = check_reuse(slot_history, reuse_levels, kB);
+  host::RuntimeCheck(has_reuse == kReuse, "hisparse: this entry point is built for the ",
+                     kReuse ? "reuse-table policy: slot_history and reuse_levels are required"
+                            : "LRU policy: slot_history and reuse_levels must be empty");
+  if (has_reuse) rows = slot_history.size(0) < rows ? slot_history.size(0) : rows;
+  const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
+  host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
+                     "hisparse: num_real_reqs must be an int32 device tensor");
+  if constexpr (!kSkipIO) {
+    check_rows(host_kv, kItemBytes, "host_kv");
+    check_rows(device_kv, kItemBytes, "device_kv");
+  }
+  const bool has_plan = plan_counts.numel() > 0;
+  if (has_plan) {
+    check_table(plan_host, 64, kTopK, "plan.host_rows");
+    check_table(plan_dev, 32, kTopK, "plan.device_rows");
+    host::RuntimeCheck(plan_counts.ndim() == 1 && is_int(plan_counts.dtype(), 32) && plan_counts.stride(0) == 1,
+                       "hisparse: plan.counts must be a contiguous int32 [rows] tensor");
+  }
+  const bool has_counters = counters.numel() > 0;
+  if (has_counters) {
+    host::RuntimeCheck(is_int(counters.dtype(), 64) && counters.numel() >= 2 && counters.stride(0) == 1,
+                       "hisparse: counters must be a contiguous int64 [2] tensor");
+  }
+  host::RuntimeCheck(is_int(ws_state.dtype(), 32) && ws_state.numel() >= kStateWords,
+                     "hisparse: workspace state too small");
+  host::RuntimeCheck(is_int(ws_flat_host.dtype(), 64) && is_int(ws_flat_dev.dtype(), 32),
+                     "hisparse: workspace miss lists must be int64 / int32");
+  const int32_t dev_type = hot_locs.device().device_type, dev_id = hot_locs.device().device_id;
+  for (const TensorView* t : {&slot_tokens, &lru, &host_locs, &num_real_reqs, &ws_state, &ws_flat_host, &ws_flat_dev}) {
+    host::RuntimeCheck(same_device(*t, dev_type, dev_id), "hisparse: the tables, num_real_reqs and the workspace must be on one device");
+  }
+
+  BoundResolve b{};
+  b.key = bound_key<kItemBytes, kB, kTopK, kSkipIO, kReuse>();
+  ResolveParams& p = b.p;
+  p.hot_locs = ptr<const int32_t>(hot_locs);
+  p.hot_stride = hot_locs.stride(0);
+  p.slot_tokens = ptr<int32_t>(slot_tokens);
+  p.tok_stride = slot_tokens.stride(0);
+  p.lru = ptr<int16_t>(lru);
+  p.lru_stride = lru.stride(0);
+  p.host_locs = ptr<const int64_t>(host_locs);
+  p.host_locs_stride = host_locs.stride(0);
+  p.max_context = host_locs.size(1);
+  p.table_rows = rows;
+  set_residency(p, has_residency, resident, req_to_token, logical_to_device);
+  p.slot_hist = has_reuse ? ptr<int16_t>(slot_history) : nullptr;
+  p.hist_stride = has_reuse ? slot_history.stride(0) : 0;
+  p.reuse_levels = has_reuse ? ptr<const uint8_t>(reuse_levels) : nullptr;
+  p.host_kv = ptr<const uint8_t>(host_kv);
+  p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
+  p.device_kv = ptr<uint8_t>(device_kv);
+  p.device_rows = device_kv.ndim() >= 1 ? device_kv.size(0) : 0;
+  p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
+  p.has_plan = has_plan ? 1 : 0;
+  b.plan_rows = INT64_MAX;
+  if (has_plan) {
+    p.plan_host = ptr<int64_t>(plan_host);
+    p.plan_host_stride = plan_host.stride(0);
+    p.plan_dev = ptr<int32_t>(plan_dev);
+    p.plan_dev_stride = plan_dev.stride(0);
+    p.plan_counts = ptr<int32_t>(plan_counts);
+    b.plan_rows = plan_host.size(0);
+    b.plan_rows = plan_dev.size(0) < b.plan_rows ? plan_dev.size(0) : b.plan_rows;
+    b.plan_rows = plan_counts.size(0) < b.plan_rows ? plan_counts.size(0) : b.plan_rows;
+  }
+  p.counters = has_counters ? ptr<int64_t>(counters) : nullptr;
+  p.state = ptr<uint32_t>(ws_state);
+  p.flat_host = ptr<int64_t>(ws_flat_host);
+  p.flat_dev = ptr<int32_t>(ws_flat_dev);
+  p.spin_timeout_ns = static_cast<uint64_t>(spin_timeout_ns > 0 ? spin_timeout_ns : 10'000'000'000LL);
+  b.miss_capacity = ws_flat_host.numel() < ws_flat_dev.numel() ? ws_flat_host.numel() : ws_flat_dev.numel();
+  b.block = block;
+  b.num_copiers = num_copiers;
+  b.device_type = dev_type;
+  b.device_id = dev_id;
+  return b;
+}
+
+inline void check_index_vector(const TensorView& t, int64_t num_reqs, const char* name) {
+  host::RuntimeCheck(t.ndim() == 1 && (is_int(t.dtype(), 32) || is_int(t.dtype(), 64)) && t.size(0) >= num_reqs &&
+                         (t.size(0) <= 1 || t.stride(0) == 1),
+                     "hisparse: ", name, " must be a contiguous int32/int64 [>= num_reqs] tensor");
+}
+
+// Checks one call's batch against a bound layer and launches (asynchronous, current stream of the
+// tables' device). Every check precedes the first CUDA call.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
+void launch_bound(const BoundResolve& b, const TensorView& topk, const TensorView& seq_lens,
+                  const TensorView& req_pool_indices, const TensorView& out) {
+  host::RuntimeCheck(b.key == bound_key<kItemBytes, kB, kTopK, kSkipIO, kReuse>(),
+                     "hisparse: the bound parameters were written by another entry point or module");
+  host::RuntimeCheck(topk.ndim() == 2 && is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
+                     "hisparse: top_k_positions must be int32 [num_reqs, ", kTopK, "]");
+  host::RuntimeCheck(kTopK == 1 || topk.stride(1) == 1, "hisparse: top_k_positions rows must be contiguous");
+  const int64_t num_reqs = topk.size(0);
+  if (num_reqs == 0) return;
+  host::RuntimeCheck(num_reqs < (1 << 30), "hisparse: too many requests");
+  check_index_vector(seq_lens, num_reqs, "seq_lens");
+  check_index_vector(req_pool_indices, num_reqs, "req_pool_indices");
+  check_table(out, 32, kTopK, "out");
+  host::RuntimeCheck(out.size(0) >= num_reqs && out.size(1) == kTopK, "hisparse: out must be int32 [>= num_reqs, top_k]");
+  for (const TensorView* t : {&topk, &seq_lens, &req_pool_indices, &out}) {
+    host::RuntimeCheck(same_device(*t, b.device_type, b.device_id),
+                       "hisparse: top_k_positions, seq_lens, req_pool_indices and out must be on the tables' device");
+  }
+  host::RuntimeCheck(num_reqs * kTopK <= b.miss_capacity, "hisparse: a batch of ", num_reqs,
+                     " rows exceeds the workspace (miss list of ", b.miss_capacity, " entries)");
+  host::RuntimeCheck(num_reqs <= b.plan_rows, "hisparse: plan tensors must cover num_reqs rows");
+  host::RuntimeCheck(num_reqs * kTopK * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
+                     "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
+  host::RuntimeCheck(b.device_type == kDLCUDA, "hisparse: the tables must be on a CUDA device");
+
+  constexpr size_t smem = PlanLayout<kB, kTopK, kReuse>::kBytes;
+  constexpr auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, kReuse>;
+  const int per_sm = prepare_kernel<kernel>(static_cast<int>(b.block), smem, b.device_id);
+
+  int64_t copiers = 0;
+  if constexpr (!kSkipIO) {
+    if (b.num_copiers >= 0) {
+      copiers = b.num_copiers;
+    } else if (num_reqs >= kSelfCopyMinReqs) {
+      copiers = 0;  // planners copy their own misses (measured faster from batch 4 up: docs/kernel.md)
+    } else {
+      // Small batch: enough copier threads for the worst case (every selection a miss), but no
+      // more than fit beside the planners in one wave (a second wave would delay even a launch
+      // with no misses).
+      const int64_t fill = int64_t(per_sm) * sm_count(b.device_id);
+      const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), b.block * kCopyUnroll);
+      const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;
+      copiers = need < room ? need : room;
+      if (copiers < 1) copiers = 1;
+    }
+  }
+
+  ResolveParams p = b.p;
+  p.topk = ptr<const int32_t>(topk);
+  p.topk_stride = topk.stride(0);
+  p.seq_lens = ptr<const void>(seq_lens);
+  p.req_pool_indices = ptr<const void>(req_pool_indices);
+  p.seq_is_i64 = is_int(seq_lens.dtype(), 64) ? 1 : 0;
+  p.rpi_is_i64 = is_int(req_pool_indices.dtype(), 64) ? 1 : 0;
+  p.out = ptr<int32_t>(out);
+  p.out_stride = out.stride(0);
+  p.num_reqs = static_cast<int32_t>(num_reqs);
+  const auto stream = host::LaunchKernel::resolve_device(topk.device());
+  host::LaunchKernel(dim3(static_cast<unsigned>(num_reqs + copiers)), dim3(static_cast<unsigned>(b.block)), stream,
+                     smem)(kernel, p);
+}
+
+inline BoundResolve* bound_storage(const TensorView& bound) {
+  host::RuntimeCheck(bound.ndim() == 1 && bound.dtype().code == kDLUInt && bound.dtype().bits == 8 &&
+                         bound.numel() >= kBoundBytes && bound.device().device_type == kDLCPU,
+                     "hisparse: bound parameters must be a CPU uint8 [>= ", kBoundBytes, "] tensor");
+  return reinterpret_cast<BoundResolve*>(ptr<unsigned char>(bound));
+}
+
+}  // namespace detail
+
 // Sets the smem attribute and returns CTAs per SM of the resolve kernel at this block size
 // (called by warmup_build before any CUDA-graph capture). kReuse: the reuse-table policy's
 // kernels (a module holds one policy, so that a server builds only the one it uses).
@@ -1413,12 +1626,13 @@ int64_t resolve_prepare(int64_t block) {
   return a;
 }
 
-// Resolve one layer (see the file header). Plan / counters / residency are absent when their
-// tensors are empty (residency: resident uint8/bool [>= table rows], req_to_token int32
-// [>= table rows, max_context] with contiguous columns, logical_to_device int64 [logical ids]).
-// num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
-// copies its own misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table
-// policy, which needs slot_history and reuse_levels (the LRU one refuses them).
+// Resolve one layer (see the file header), every argument checked on every call (bind + launch
+// below split this for servers). Plan / counters / residency are absent when their tensors are
+// empty (residency: resident uint8/bool [>= table rows], req_to_token int32 [>= table rows,
+// max_context] with contiguous columns, logical_to_device int64 [logical ids]). num_copiers < 0:
+// automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner copies its own
+// misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table policy, which
+// needs slot_history and reuse_levels (the LRU one refuses them).
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 void resolve(
     TensorView topk,
@@ -1447,136 +1661,57 @@ void resolve(
     int64_t block,
     int64_t num_copiers,
     int64_t spin_timeout_ns) {
-  using namespace detail;
-  check_block(block);
-  host::RuntimeCheck(topk.ndim() == 2 && is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
+  host::RuntimeCheck(topk.ndim() == 2 && detail::is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
                      "hisparse: top_k_positions must be int32 [num_reqs, ", kTopK, "]");
-  host::RuntimeCheck(kTopK == 1 || topk.stride(1) == 1, "hisparse: top_k_positions rows must be contiguous");
-  const int64_t num_reqs = topk.size(0);
-  if (num_reqs == 0) return;
-  host::RuntimeCheck(num_reqs < (1 << 30), "hisparse: too many requests");
-  host::RuntimeCheck(seq_lens.ndim() == 1 && (is_int(seq_lens.dtype(), 32) || is_int(seq_lens.dtype(), 64)) &&
-                         seq_lens.size(0) >= num_reqs && (seq_lens.size(0) <= 1 || seq_lens.stride(0) == 1),
-                     "hisparse: seq_lens must be a contiguous int32/int64 [>= num_reqs] tensor");
-  host::RuntimeCheck(req_pool_indices.ndim() == 1 &&
-                         (is_int(req_pool_indices.dtype(), 32) || is_int(req_pool_indices.dtype(), 64)) &&
-                         req_pool_indices.size(0) >= num_reqs &&
-                         (req_pool_indices.size(0) <= 1 || req_pool_indices.stride(0) == 1),
-                     "hisparse: req_pool_indices must be a contiguous int32/int64 [>= num_reqs] tensor");
-  check_table(hot_locs, 32, kB + 1, "hot_locs");
-  check_table(slot_tokens, 32, kB, "slot_tokens");
-  check_table(lru, 16, kB, "lru");
-  check_table(host_locs, 64, 1, "host_locs");
-  host::RuntimeCheck(slot_tokens.size(1) == kB && lru.size(1) == kB, "hisparse: slot_tokens / lru must have B columns");
-  int64_t rows = hot_locs.size(0);  // rows valid in all four tables
-  rows = slot_tokens.size(0) < rows ? slot_tokens.size(0) : rows;
-  rows = lru.size(0) < rows ? lru.size(0) : rows;
-  rows = host_locs.size(0) < rows ? host_locs.size(0) : rows;
-  const bool has_reuse = check_reuse(slot_history, reuse_levels, kB);
-  host::RuntimeCheck(has_reuse == kReuse, "hisparse: this entry point is built for the ",
-                     kReuse ? "reuse-table policy: slot_history and reuse_levels are required"
-                            : "LRU policy: slot_history and reuse_levels must be empty");
-  if (has_reuse) rows = slot_history.size(0) < rows ? slot_history.size(0) : rows;
-  const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
-  check_table(out, 32, kTopK, "out");
-  host::RuntimeCheck(out.size(0) >= num_reqs && out.size(1) == kTopK, "hisparse: out must be int32 [>= num_reqs, top_k]");
-  host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
-                     "hisparse: num_real_reqs must be an int32 device tensor");
-  if constexpr (!kSkipIO) {
-    check_rows(host_kv, kItemBytes, "host_kv");
-    check_rows(device_kv, kItemBytes, "device_kv");
-  }
-  const bool has_plan = plan_counts.numel() > 0;
-  if (has_plan) {
-    check_table(plan_host, 64, kTopK, "plan.host_rows");
-    check_table(plan_dev, 32, kTopK, "plan.device_rows");
-    host::RuntimeCheck(plan_host.size(0) >= num_reqs && plan_dev.size(0) >= num_reqs &&
-                           plan_counts.ndim() == 1 && is_int(plan_counts.dtype(), 32) &&
-                           plan_counts.size(0) >= num_reqs && plan_counts.stride(0) == 1,
-                       "hisparse: plan tensors must cover num_reqs rows");
-  }
-  const bool has_counters = counters.numel() > 0;
-  if (has_counters) {
-    host::RuntimeCheck(is_int(counters.dtype(), 64) && counters.numel() >= 2 && counters.stride(0) == 1,
-                       "hisparse: counters must be a contiguous int64 [2] tensor");
-  }
-  host::RuntimeCheck(is_int(ws_state.dtype(), 32) && ws_state.numel() >= kStateWords,
-                     "hisparse: workspace state too small");
-  host::RuntimeCheck(is_int(ws_flat_host.dtype(), 64) && is_int(ws_flat_dev.dtype(), 32) &&
-                         ws_flat_host.numel() >= num_reqs * kTopK && ws_flat_dev.numel() >= num_reqs * kTopK,
-                     "hisparse: workspace miss list smaller than num_reqs * top_k");
-  host::RuntimeCheck(num_reqs * kTopK * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
-                     "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
+  const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
+      hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
+      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
+      ws_flat_dev, block, num_copiers, spin_timeout_ns);
+  detail::launch_bound<kItemBytes, kB, kTopK, kSkipIO, kReuse>(b, topk, seq_lens, req_pool_indices, out);
+}
 
-  const int dev = current_device();
-  constexpr size_t smem = PlanLayout<kB, kTopK, kReuse>::kBytes;
-  constexpr auto kernel = resolve_kernel<kItemBytes, kB, kTopK, kSkipIO, kReuse>;
-  const int per_sm = prepare_kernel<kernel>(static_cast<int>(block), smem, dev);
+// resolve's unchanging arguments (same order, without the batch's four tensors), checked once and
+// written into `bound` (a CPU uint8 [>= kBoundBytes] tensor the caller keeps and passes to
+// resolve_launch). The bound tensors must outlive every launch with it, at the same addresses.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
+void resolve_bind(
+    TensorView bound,
+    TensorView hot_locs,
+    TensorView slot_tokens,
+    TensorView lru,
+    TensorView host_locs,
+    TensorView host_kv,
+    TensorView device_kv,
+    TensorView num_real_reqs,
+    TensorView plan_host,
+    TensorView plan_dev,
+    TensorView plan_counts,
+    TensorView counters,
+    TensorView resident,
+    TensorView req_to_token,
+    TensorView logical_to_device,
+    TensorView slot_history,
+    TensorView reuse_levels,
+    TensorView ws_state,
+    TensorView ws_flat_host,
+    TensorView ws_flat_dev,
+    int64_t block,
+    int64_t num_copiers,
+    int64_t spin_timeout_ns) {
+  BoundResolve* dst = detail::bound_storage(bound);
+  const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
+      hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
+      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
+      ws_flat_dev, block, num_copiers, spin_timeout_ns);
+  std::memcpy(static_cast<void*>(dst), &b, sizeof(b));
+}
 
-  int64_t copiers = 0;
-  if constexpr (!kSkipIO) {
-    if (num_copiers >= 0) {
-      copiers = num_copiers;
-    } else if (num_reqs >= kSelfCopyMinReqs) {
-      copiers = 0;  // planners copy their own misses (measured faster from batch 4 up: docs/kernel.md)
-    } else {
-      // Small batch: enough copier threads for the worst case (every selection a miss), but no
-      // more than fit beside the planners in one wave (a second wave would delay even a launch
-      // with no misses).
-      const int64_t fill = int64_t(per_sm) * sm_count(dev);
-      const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), block * kCopyUnroll);
-      const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;
-      copiers = need < room ? need : room;
-      if (copiers < 1) copiers = 1;
-    }
-  }
-
-  ResolveParams p{};
-  p.topk = ptr<const int32_t>(topk);
-  p.topk_stride = topk.stride(0);
-  p.seq_lens = ptr<const void>(seq_lens);
-  p.req_pool_indices = ptr<const void>(req_pool_indices);
-  p.seq_is_i64 = is_int(seq_lens.dtype(), 64) ? 1 : 0;
-  p.rpi_is_i64 = is_int(req_pool_indices.dtype(), 64) ? 1 : 0;
-  p.hot_locs = ptr<const int32_t>(hot_locs);
-  p.hot_stride = hot_locs.stride(0);
-  p.slot_tokens = ptr<int32_t>(slot_tokens);
-  p.tok_stride = slot_tokens.stride(0);
-  p.lru = ptr<int16_t>(lru);
-  p.lru_stride = lru.stride(0);
-  p.host_locs = ptr<const int64_t>(host_locs);
-  p.host_locs_stride = host_locs.stride(0);
-  p.max_context = host_locs.size(1);
-  p.table_rows = rows;
-  set_residency(p, has_residency, resident, req_to_token, logical_to_device);
-  p.slot_hist = has_reuse ? ptr<int16_t>(slot_history) : nullptr;
-  p.hist_stride = has_reuse ? slot_history.stride(0) : 0;
-  p.reuse_levels = has_reuse ? ptr<const uint8_t>(reuse_levels) : nullptr;
-  p.host_kv = ptr<const uint8_t>(host_kv);
-  p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
-  p.device_kv = ptr<uint8_t>(device_kv);
-  p.device_rows = device_kv.ndim() >= 1 ? device_kv.size(0) : 0;
-  p.out = ptr<int32_t>(out);
-  p.out_stride = out.stride(0);
-  p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
-  p.num_reqs = static_cast<int32_t>(num_reqs);
-  p.has_plan = has_plan ? 1 : 0;
-  if (has_plan) {
-    p.plan_host = ptr<int64_t>(plan_host);
-    p.plan_host_stride = plan_host.stride(0);
-    p.plan_dev = ptr<int32_t>(plan_dev);
-    p.plan_dev_stride = plan_dev.stride(0);
-    p.plan_counts = ptr<int32_t>(plan_counts);
-  }
-  p.counters = has_counters ? ptr<int64_t>(counters) : nullptr;
-  p.state = ptr<uint32_t>(ws_state);
-  p.flat_host = ptr<int64_t>(ws_flat_host);
-  p.flat_dev = ptr<int32_t>(ws_flat_dev);
-  p.spin_timeout_ns = static_cast<uint64_t>(spin_timeout_ns > 0 ? spin_timeout_ns : 10'000'000'000LL);
-
-  const auto stream = host::LaunchKernel::resolve_device(topk.device());
-  host::LaunchKernel(dim3(static_cast<unsigned>(num_reqs + copiers)), dim3(static_cast<unsigned>(block)), stream, smem)(
-      kernel, p);
+// One call of a bound layer: checks the batch's four tensors and launches.
+template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
+void resolve_launch(TensorView bound, TensorView topk, TensorView seq_lens, TensorView req_pool_indices, TensorView out) {
+  BoundResolve b;
+  std::memcpy(&b, detail::bound_storage(bound), sizeof(b));
+  detail::launch_bound<kItemBytes, kB, kTopK, kSkipIO, kReuse>(b, topk, seq_lens, req_pool_indices, out);
 }
 
 // Copy-only replay of a miss plan on another layer's buffers (few CTAs; see replay_kernel).

@@ -4,9 +4,11 @@ the case generator, argument validation, workspace shapes, dispatch rules and th
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import glob
 import logging
-
+import os
 import random
 import shutil
 from typing import Optional
@@ -308,13 +310,26 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
 
 
 def _record_skip_io_launches(monkeypatch, policies: Optional[list] = None) -> list:
-    """Replace the kernel module by one whose skip-IO entry point records its arguments;
-    ``policies`` (when given) receives the ``reuse`` flag of every module lookup."""
+    """Replace the kernel module by one whose skip-IO entry points record their arguments, each
+    call as the argument tuple of the one-call entry point (``resolve_skip_io``): a bound layer's
+    ``launch_skip_io`` call is recorded as its batch merged with what ``bind_skip_io`` received
+    for the same parameter tensor. ``policies`` (when given) receives the ``reuse`` flag of every
+    module lookup."""
     calls = []
+    bound: dict = {}
 
     class FakeModule:
         def resolve_skip_io(self, *args):
             calls.append(args)
+
+        def bind_skip_io(self, params, *args):
+            assert params.dtype == torch.uint8 and params.device.type == "cpu"
+            assert params.numel() == cuda.BOUND_BYTES
+            bound[id(params)] = args
+
+        def launch_skip_io(self, params, topk, seq_lens, rpi, out):
+            fixed = bound[id(params)]
+            calls.append((topk, seq_lens, rpi, *fixed[:6], out, *fixed[6:]))
 
     def module(*args, reuse: bool = False):
         if policies is not None:
@@ -578,25 +593,51 @@ def test_module_names_carry_every_template_parameter():
     assert dict(jit.replay_wrappers(1152))["replay"] == "hisparse::replay<1152>"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch):
-    """Builds the sm_90a module with SGLang's loader (no GPU needed) and calls an entry point
-    with bad arguments: the C++ checks must raise before any CUDA call."""
+def _cuda_runtime_for_linking() -> bool:
+    """Make the toolkit's libcudart linkable (``LIBRARY_PATH``) and loaded (by soname) when
+    tvm-ffi's ``-L$CUDA_HOME/lib64`` does not hold it (this machine's toolkit keeps it in
+    ``lib``). Returns whether a runtime library was found."""
+    for lib in sorted(glob.glob("/usr/local/cuda*/lib*/libcudart.so")):
+        os.environ["LIBRARY_PATH"] = os.path.dirname(lib) + os.pathsep + os.environ.get("LIBRARY_PATH", "")
+        ctypes.CDLL(os.path.realpath(lib), mode=ctypes.RTLD_GLOBAL)
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def hopper_module(tmp_path_factory):
+    """The sm_90a resolve module (656-byte rows, B=128, top_k=64) built by SGLang's loader with
+    no GPU: its entry points' checks run before any CUDA call, so they can be exercised here."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
     from sglang.kernels.jit.utils import override_jit_cuda_arch
 
-    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "9.0a")
+    saved = {k: os.environ.get(k) for k in ("TVM_FFI_CACHE_DIR", "TVM_FFI_CUDA_ARCH_LIST", "LIBRARY_PATH")}
+    os.environ["TVM_FFI_CACHE_DIR"] = str(tmp_path_factory.mktemp("jit"))
+    os.environ["TVM_FFI_CUDA_ARCH_LIST"] = "9.0a"
+    _cuda_runtime_for_linking()
     jit.resolve_module.cache_clear()
     try:
         with override_jit_cuda_arch(9, 0):
-            module = jit.resolve_module(656, 128, 64)
+            yield jit.resolve_module(656, 128, 64)
     except RuntimeError as e:
         if "cannot find -lcudart" in str(e):
             pytest.skip("no CUDA runtime library to link against on this machine")
         raise
     finally:
         jit.resolve_module.cache_clear()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.slow
+def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
+    """Calls the one-call entry points with bad arguments: the C++ checks must raise before any
+    CUDA call."""
+    module = hopper_module
     bad = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(Exception, match="top_k_positions"):
         module.resolve(bad, *([torch.zeros(1)] * 22), 960, -1, 0)
@@ -612,6 +653,40 @@ def test_jit_build_for_hopper_exports_checked_entry_points(tmp_path, monkeypatch
         module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
                                torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
                                torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 3), 64, -1, 0)
+
+
+@pytest.mark.slow
+def test_a_bound_layer_through_the_real_module_checks_each_batch(hopper_module, monkeypatch):
+    """bind_resolve_cuda with the compiled module (CPU tensors: every check precedes the first
+    CUDA call): binding writes the parameter tensor; each call's bad batch tensor is refused with
+    ValueError naming it, a batch beyond the workspace is refused, a batch that passes every
+    check is stopped only by the device (CPU here), and a parameter tensor bound by the skip-IO
+    entry point is refused by the copying one."""
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: hopper_module)
+    kw = _valid_kwargs(B=128, K=64, n=2, R=4)
+    kw["host_kv"] = kw["device_kv"] = torch.zeros(10, 1, 328, dtype=torch.bfloat16)  # 656-byte rows
+    batch = ("top_k_positions", "seq_lens", "req_pool_indices", "out")
+    fixed = {k: v for k, v in kw.items() if k not in batch + ("workspace", "block_size")}
+    resolve = cuda.bind_resolve_cuda(workspace=kw["workspace"], block_size=64, skip_io=True, top_k=64, **fixed)
+    params = resolve.launch_params
+    assert params.dtype == torch.uint8 and bool(params.any()), "bind wrote nothing"
+    good = [kw[k] for k in batch]
+    for at, bad, message in ((0, good[0].long(), "top_k_positions"), (1, good[1].float(), "seq_lens"),
+                             (2, good[2][:1], "req_pool_indices"), (3, good[3][:, :32], "out")):
+        args = list(good)
+        args[at] = bad
+        with pytest.raises(ValueError, match=message):
+            resolve(*args)
+    too_many = torch.zeros(kw["workspace"].max_reqs + 1, 64, dtype=torch.int32)
+    rows = torch.zeros(too_many.shape[0], dtype=torch.int64)
+    with pytest.raises(ValueError, match="exceeds the workspace"):
+        resolve(too_many, rows, rows, torch.zeros_like(too_many))
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve(*good)
+    with pytest.raises(Exception, match="another entry point"):
+        hopper_module.launch(params, *good)
+    with pytest.raises(Exception, match="bound parameters must be"):
+        hopper_module.launch(params[:100], *good)
 
 
 def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monkeypatch):
@@ -631,10 +706,33 @@ def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monk
     unbound, bound = calls
     assert len(bound) == len(unbound)
     assert all(a is b or a == b for a, b in zip(unbound, bound))
-    with pytest.raises(ValueError, match="seq_lens"):
-        resolve(kw["top_k_positions"], kw["seq_lens"].float(), kw["req_pool_indices"], kw["out"])
-    with pytest.raises(ValueError, match="top_k_positions"):
-        resolve(kw["top_k_positions"][:, :8], kw["seq_lens"], kw["req_pool_indices"], kw["out"])
     with pytest.raises(ValueError, match="device tensor"):
         cuda.bind_resolve_cuda(workspace=kw["workspace"], top_k=16, **{**fixed, "num_real_reqs": 3})
     assert len(calls) == 2
+
+
+def test_a_bound_resolvers_kernel_check_becomes_a_value_error(monkeypatch):
+    """A failed check of the kernel's launch (a message starting "hisparse: ") reaches the caller
+    as ValueError with that message; any other error (a CUDA failure) propagates unchanged."""
+    raised: list = []
+
+    class FakeModule:
+        def bind_skip_io(self, params, *args):
+            pass
+
+        def launch_skip_io(self, *args):
+            raise raised[-1]
+
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: FakeModule())
+    kw = _valid_kwargs()
+    kw["num_real_reqs"] = torch.tensor([3], dtype=torch.int32)
+    batch = ("top_k_positions", "seq_lens", "req_pool_indices", "out")
+    fixed = {k: v for k, v in kw.items() if k not in batch + ("workspace", "block_size")}
+    resolve = cuda.bind_resolve_cuda(workspace=kw["workspace"], skip_io=True, top_k=kw["top_k_positions"].shape[1],
+                                     **fixed)
+    raised.append(RuntimeError("PanicError: hisparse: seq_lens must be a contiguous int32/int64 tensor\nStack trace"))
+    with pytest.raises(ValueError, match="^seq_lens must be a contiguous int32/int64 tensor$"):
+        resolve(*(kw[k] for k in batch))
+    raised.append(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        resolve(*(kw[k] for k in batch))

@@ -408,7 +408,7 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _launch(fn, static: _Static, top_k_positions, seq_lens, req_pool_indices, out, n_real) -> None:
-    fn(top_k_positions, seq_lens, req_pool_indices, *static.tables, out, n_real, *static.extras)
+    _kernel_checked(fn, top_k_positions, seq_lens, req_pool_indices, *static.tables, out, n_real, *static.extras)
 
 
 def _kernel(static: _Static, B: int, top_k: int, stage_clock: Union[bool, str] = False):
@@ -493,6 +493,10 @@ def resolve_cuda(
     _launch(_kernel(static, B, top_k, stage_clock), static, top_k_positions, seq_lens, req_pool_indices, out, n_real)
 
 
+BOUND_BYTES = 512
+"""Size of a bound layer's parameter tensor (``kBoundBytes`` in ``kernels/resolve.cuh``)."""
+
+
 def bind_resolve_cuda(
     *, top_k: int, num_real_reqs: torch.Tensor, workspace: ResolveWorkspace, device_buffer_size: int,
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
@@ -500,27 +504,53 @@ def bind_resolve_cuda(
     reuse_levels: Optional[torch.Tensor] = None, **static: Any,
 ) -> Callable[..., None]:
     """Validate one layer's unchanging arguments once (keywords of :func:`resolve_cuda` other than
-    the batch's) and return ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``, which
-    checks only the batch tensors and launches. ``num_real_reqs`` must be the int32 device tensor
-    the caller updates (CUDA graphs). The kernel module is looked up here, once: build it first
-    (:func:`warmup_build`)."""
+    the batch's) and return ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``.
+
+    The kernel module's ``bind`` entry point checks the same arguments again in C++ and writes the
+    launch parameters into a small CPU byte tensor; each call then passes that tensor and the four
+    batch tensors to ``launch``, which checks only the batch (shape, dtype, device, the workspace's
+    capacity) and launches. ``num_real_reqs`` must be the int32 device tensor the caller updates
+    (CUDA graphs). The bound tensors stay referenced by the returned function, so their addresses
+    stay valid. The kernel module is looked up here, once: build it first (:func:`warmup_build`).
+    A bad batch raises ValueError (the kernel's message, which names the tensor)."""
     residency = residency_tables(resident, req_to_token, logical_to_device)
     reuse = policy_tables(slot_history, reuse_levels)
     _check(isinstance(num_real_reqs, torch.Tensor), "a bound resolver needs num_real_reqs as a device tensor")
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
     fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency, reuse=reuse,
                              workspace=workspace, **static)
-    fn = _kernel(fixed, int(device_buffer_size), top_k)
-    plan = static.get("plan")
+    module = jit.resolve_module(fixed.item_bytes, int(device_buffer_size), top_k, reuse=fixed.reuse)
+    bind, launch = (module.bind_skip_io, module.launch_skip_io) if fixed.skip_io else (module.bind, module.launch)
+    bound = torch.empty(BOUND_BYTES, dtype=torch.uint8)
+    _kernel_checked(bind, bound, *fixed.tables, n_real, *fixed.extras)
 
     def resolve(top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                 out: torch.Tensor) -> None:
-        if top_k_positions.dim() != 2 or top_k_positions.shape[1] != top_k:
-            _check(False, f"top_k_positions must be [num_reqs, {top_k}], got {tuple(top_k_positions.shape)}")
-        if _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan):
-            _launch(fn, fixed, top_k_positions, seq_lens, req_pool_indices, out, n_real)
+        try:
+            launch(bound, top_k_positions, seq_lens, req_pool_indices, out)
+        except Exception as e:  # noqa: BLE001 - only the kernel's own checks become ValueError
+            raise _as_value_error(e) from None
 
+    resolve.launch_params = bound  # what bind wrote (read it, do not change it)
+    resolve.bound_tensors = (fixed, n_real)  # keeps the addresses written into `bound` valid
     return resolve
+
+
+def _kernel_checked(fn, *args) -> None:
+    """Call a kernel entry point; its argument checks (messages starting ``hisparse:``) raise
+    ValueError, anything else (a CUDA error) propagates unchanged."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        raise _as_value_error(e) from None
+
+
+def _as_value_error(e: Exception) -> Exception:
+    message = str(e)
+    at = message.find("hisparse: ")
+    if at < 0:
+        return e
+    return ValueError(message[at + len("hisparse: "):].strip().splitlines()[0])
 
 
 def read_stage_clock(workspace: ResolveWorkspace) -> dict[str, float]:
