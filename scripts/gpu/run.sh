@@ -67,6 +67,9 @@ for word in "$@" +; do
   fi
 done
 # at most 8 files come back: logs into logs.tar.xz, JIT caches into jit.tar.xz
-python3 scripts/gpu/pack_outputs.py "$OUT" --jit-dir /tmp/jit --e2e-logs /tmp/e2e_logs || true
+# HISPARSE_PACK_JIT=0: leave the JIT caches out (packing them takes minutes of device time; worth it
+# only when a later call will carry them)
+JIT_DIR=/tmp/jit; [ "${HISPARSE_PACK_JIT:-1}" = 0 ] && JIT_DIR=/nonexistent && log "JIT caches not packed (HISPARSE_PACK_JIT=0)"
+python3 scripts/gpu/pack_outputs.py "$OUT" --jit-dir "$JIT_DIR" --e2e-logs /tmp/e2e_logs || true
 log "all jobs done, exit $rc"
 exit $rc
