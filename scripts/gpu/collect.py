@@ -44,6 +44,8 @@ FRAGMENTS = [
     ("gpu_run27/is_exact.json", None),  # SGLang's default capture sizes: batches differ, see e2e_gpu.md
     ("gpu_run28/fp8_exact_f18.json", None),
     ("gpu_run29/is_exact_f18.json", None),
+    ("gpu_run33/fp8_lockstep.json", None),
+    ("gpu_run34/fp8_lockstep_up.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -99,6 +101,14 @@ DEVICE_CALLS = {
                  "--out $OUT/is_exact_f18.json + sweep --model ds32-width-indexshare --points "
                  "ours_noprefetch:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 350 "
                  "--level-margin-s 60 --out $OUT/sweep_is.json",
+    "gpu_run33": "bash scripts/gpu/run.sh sweep --model ds32-width --points ours:realistic,ours_reuse:realistic "
+                 "--concurrency 32 --repeats 1 --budget-s 290 --level-margin-s 60 --out $OUT/sweep_reuse.json + e2e "
+                 "exactness --kv-dtype fp8_e4m3 --configs ours:4096:0:lockstep,upstream:4096:0:lockstep --no-overlap "
+                 "--wait-for-staging --budget-s 240 --out $OUT/fp8_lockstep.json   (HISPARSE_PACK_JIT=0)",
+    "gpu_run34": "bash scripts/gpu/run.sh sweep --model ds32-width --points ours_reuse:realistic --concurrency 32 "
+                 "--repeats 1 --budget-s 230 --level-margin-s 30 --out $OUT/sweep_reuse2.json + e2e exactness "
+                 "--kv-dtype fp8_e4m3 --configs upstream:4096:0:lockstep --no-overlap --wait-for-staging --budget-s 260 "
+                 "--out $OUT/fp8_lockstep_up.json   (HISPARSE_PACK_JIT=0; same machine as gpu_run33, still warm)",
     "gpu_run21": "bash scripts/gpu/run.sh e2e exactness --configs ours:2048:F18 --budget-s 400 --out "
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:2048:0:lockstep --no-overlap "
                  "--wait-for-staging --budget-s 400 --out $OUT/exact_lockstep_2048.json + e2e throughput --impls ours "

@@ -35,6 +35,12 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("gpu_run29/sweep_is.json", "bash scripts/gpu/run.sh sweep --model ds32-width-indexshare --points "
                                 "ours_noprefetch:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 350 "
                                 "--level-margin-s 60 --out $OUT/sweep_is.json"),
+    ("gpu_run33/sweep_reuse.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --points "
+                                   "ours:realistic,ours_reuse:realistic --concurrency 32 --repeats 1 --budget-s 290 "
+                                   "--level-margin-s 60 --out $OUT/sweep_reuse.json (ours_reuse did not fit the budget)"),
+    ("gpu_run34/sweep_reuse2.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --points "
+                                    "ours_reuse:realistic --concurrency 32 --repeats 1 --budget-s 230 --level-margin-s 30 "
+                                    "--out $OUT/sweep_reuse2.json (same machine as gpu_run33, next call)"),
 ]
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
