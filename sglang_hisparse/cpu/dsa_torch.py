@@ -55,13 +55,23 @@ class IndexKeyStore:
         return buf
 
 
-def _request_layout(forward_batch) -> list[tuple[int, int, int, int]]:
-    """(first token in the batch, tokens, first position, seq_len) per request."""
-    seq_lens = forward_batch.seq_lens_cpu.tolist()
-    if forward_batch.forward_mode.is_decode_or_idle():
+def _request_layout(forward_batch, tokens: int) -> list[tuple[int, int, int, int]]:
+    """(first token in the batch, tokens, first position, seq_len) per request, for the batch's
+    ``tokens`` query tokens. A speculative verify batch (TARGET_VERIFY) has the same number of
+    tokens for every request, after its committed ``seq_lens``; a draft extend batch carries its
+    extend lengths (prefix lengths on the host or the device)."""
+    seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens).tolist()
+    mode = forward_batch.forward_mode
+    if mode.is_decode_or_idle():
         return [(i, 1, s - 1, s) for i, s in enumerate(seq_lens)]
+    if mode.is_target_verify():
+        n = tokens // max(len(seq_lens), 1)
+        return [(i * n, n, s, s + n) for i, s in enumerate(seq_lens)]
+    prefixes = forward_batch.extend_prefix_lens_cpu
+    if prefixes is None:
+        prefixes = forward_batch.extend_prefix_lens.tolist()
     layout, start = [], 0
-    for n, prefix, s in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_prefix_lens_cpu, seq_lens):
+    for n, prefix, s in zip(forward_batch.extend_seq_lens_cpu, prefixes, seq_lens):
         layout.append((start, int(n), int(prefix), int(s)))
         start += int(n)
     return layout
@@ -94,7 +104,7 @@ def indexer_forward_native(indexer, x, q_lora, positions, forward_batch, layer_i
     top_k = indexer.index_topk
     out = torch.full((tokens, top_k), -1, dtype=torch.int32)
     pos_all = positions.long()
-    for req_row, (first, count, _, seq_len) in enumerate(_request_layout(forward_batch)):
+    for req_row, (first, count, _, seq_len) in enumerate(_request_layout(forward_batch, tokens)):
         req = int(forward_batch.req_pool_indices[req_row])
         keys = store[req_to_token[req, :seq_len].long()]  # [seq_len, D]
         for c0 in range(first, first + count, _QUERY_CHUNK):
@@ -178,7 +188,7 @@ class TorchDSABackend(AttentionBackend):
         q = q.reshape(-1, heads, layer.qk_head_dim)
         out = torch.empty((q.shape[0], heads, layer.v_head_dim), dtype=torch.float32)
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        for req_row, (first, count, prefix, seq_len) in enumerate(_request_layout(forward_batch)):
+        for req_row, (first, count, prefix, seq_len) in enumerate(_request_layout(forward_batch, q.shape[0])):
             req = int(forward_batch.req_pool_indices[req_row])
             for c0 in range(first, first + count, _QUERY_CHUNK):
                 c1 = min(c0 + _QUERY_CHUNK, first + count)

@@ -4,7 +4,8 @@ SGLang's CPU engine imports ``sgl_kernel``, whose PyPI build is CUDA only (it fa
 without ``libcuda.so.1``). Put this folder first on ``PYTHONPATH`` of a CPU server: the package
 reuses the real package's pure-Python submodules (its ``__path__`` includes the real folder), does
 not load the compiled ops, and turns every missing name into a callable that raises
-``NotImplementedError`` naming it. Nothing here computes anything.
+``NotImplementedError`` naming it. The only ops it computes are the seven the speculative (EAGLE /
+NEXTN) worker calls on CPU, in torch (``cpu_spec_ops``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ if _REAL:
         from sgl_kernel.version import __version__  # noqa: F401,E402
     except Exception:  # pragma: no cover - the real version module is plain Python
         pass
+
+
+from sgl_kernel.cpu_spec_ops import (  # noqa: E402,F401
+    assign_draft_cache_locs_contiguous_cpu,
+    assign_extend_cache_locs_cpu,
+    assign_req_to_token_pool_cpu,
+    build_tree_kernel_efficient_cpu,
+    fill_accept_out_cache_loc_cpu,
+    fill_bonus_tokens_cpu,
+    verify_tree_greedy_cpu,
+)
 
 
 class _Unavailable:
