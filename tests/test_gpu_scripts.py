@@ -219,3 +219,17 @@ def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
         sweep.parse_points("mine:realistic")
     with pytest.raises(ValueError, match="allowed values are none, medium, realistic"):
         sweep.parse_points("ours:high")
+
+
+def test_exactness_models_match_the_workload_constants():
+    """Every model the exactness command accepts has the top_k and vocabulary its prompts and
+    upstream's config assume (a ds32-width IndexShare run needs no other change)."""
+    import e2e
+
+    from sglang_hisparse.testing.server import MODELS_DIR
+
+    for model in e2e.EXACTNESS_MODELS:
+        config = json.loads((MODELS_DIR / model / "config.json").read_text())
+        assert config["index_topk"] == e2e.TOP_K and config["vocab_size"] == e2e.VOCAB, model
+    args = e2e.build_parser().parse_args(["exactness", "--model", "ds32-width-indexshare", "--out", "x.json"])
+    assert args.model == "ds32-width-indexshare"

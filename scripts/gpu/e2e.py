@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
 VOCAB = 32768
+EXACTNESS_MODELS = ["tiny-dsa", "tiny-dsa-indexshare", "ds32-width", "ds32-width-indexshare"]
+"""Models the exactness workloads run on: index_topk = TOP_K and vocab_size = VOCAB (tested)."""
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs"))  # packed by scripts/gpu/run.sh
 TOP_K = 2048  # the tiny model's index_topk
 
@@ -424,8 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default workload lockstep: both waves in one batched call (identical batches in both servers)")
     e.add_argument("--new-tokens", type=int, default=128)
     e.add_argument("--max-total-tokens", type=int, default=524288)
-    e.add_argument("--model", default="tiny-dsa", choices=["tiny-dsa", "tiny-dsa-indexshare"],
-                   help="tiny-dsa-indexshare: index_topk_freq 2 (every second layer reuses the previous top-k)")
+    e.add_argument("--model", default="tiny-dsa", choices=EXACTNESS_MODELS,
+                   help="tiny-dsa-indexshare: index_topk_freq 2 (every second layer reuses the previous top-k); "
+                        "ds32-width(-indexshare): the representative-width models of the sweep (same top_k and "
+                        "vocabulary, 8 layers of DeepSeek-V3.2's widths)")
     e.add_argument("--kv-dtype", default="bfloat16", choices=sorted(KV_DTYPES),
                    help="KV cache dtype of every server (the baseline too); fp8_e4m3 runs FlashMLA KV")
     e.add_argument("--no-overlap", action="store_true",
