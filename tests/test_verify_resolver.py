@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.resolver.batched import resolve_batched
-from sglang_hisparse.resolver.cases import random_history
+from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference
 from sglang_hisparse.resolver.verify import _union_rows, resolve_verify
 
@@ -25,33 +25,12 @@ def _state(rng: random.Random, *, R: int, B: int, N: int, lens: list[int], ctx: 
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     W = B + N + 2
     hot = torch.randperm(R * W, generator=g).view(R, W).to(torch.int32)
-    tokens = torch.full((R, B), -1, dtype=torch.int32)
-    for r, L in enumerate(lens):
-        if L + 1 > B:
-            held = torch.randperm(L, generator=g)[:B]
-            held[torch.rand(B, generator=g) < 0.1] = -1
-            tokens[r] = held.to(torch.int32)
+    tokens = verify_slot_positions(g, lens, B)
     host_locs = torch.randperm(R * ctx, generator=g).view(R, ctx)
     return dict(hot_locs=hot, slot_tokens=tokens,
                 lru=torch.stack([torch.randperm(B, generator=g) for _ in range(R)]).to(torch.int16),
                 host_locs=host_locs, host_kv=torch.randn(R * ctx, ROW, generator=g),
                 device_kv=torch.full((R * W, ROW), -7.0))
-
-
-def _rows(rng: random.Random, tokens: torch.Tensor, lens: list[int], N: int, k: int) -> torch.Tensor:
-    """N rows per request: held positions (hits), others below L (misses) and window positions
-    L .. L + j for row j, drawn from one pool per request so that rows overlap; -1 padding."""
-    out = []
-    for r, L in enumerate(lens):
-        held = [int(t) for t in tokens[r] if t >= 0]
-        pool = rng.sample(held, min(len(held), k)) + rng.sample(range(L), min(L, k))
-        for j in range(N):
-            choice = rng.sample(sorted(set(pool)), max(0, min(len(set(pool)), k - 1 - j)))
-            choice += [L + w for w in range(j + 1) if rng.random() < 0.6]
-            choice = choice[:k] + [-1] * (k - min(len(choice), k))
-            rng.shuffle(choice)
-            out.append(choice)
-    return torch.tensor(out, dtype=torch.int32)
 
 
 def _clone(state: dict) -> dict:
@@ -69,7 +48,7 @@ def test_one_query_row_is_the_one_row_resolver_for_long_requests():
         B, k, R = 16, 6, 5
         lens = [rng.randrange(B, 60) for _ in range(R)]
         state = _state(rng, R=R, B=B, N=1, lens=lens, ctx=80)
-        rows = _rows(rng, state["slot_tokens"], lens, 1, k)
+        rows = verify_rows(rng, state["slot_tokens"], lens, 1, k)
         a, b = _clone(state), _clone(state)
         out_a, out_b = torch.full((R, k), -9, dtype=torch.int32), torch.full((R, k), -9, dtype=torch.int32)
         plan_a, plan_b = _plan(R, k), _plan(R, k)
@@ -115,7 +94,7 @@ def test_batched_oracle_equals_the_loop_reference_on_random_verify_batches(polic
         if policy == "reuse":
             state["slot_history"] = random_history(torch.Generator().manual_seed(rng.randrange(1 << 30)), (R, B))
         order = torch.randperm(R)[:n]
-        rows = _rows(rng, state["slot_tokens"][order], [lens[i] for i in order], N, k)
+        rows = verify_rows(rng, state["slot_tokens"][order], [lens[i] for i in order], N, k)
         seq = torch.tensor([lens[i] for i in order])
         results = []
         for resolver in (resolve_reference, resolve_batched):

@@ -194,6 +194,37 @@ def random_history(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor
     return (age | (skewed(128, 6) << 8)).to(torch.int16)
 
 
+def verify_slot_positions(gen: torch.Generator, lens: list[int], B: int) -> torch.Tensor:
+    """Slot tables for verify-step cases (resolver/verify.py): int32 [len(lens), B], a long request
+    (``L + 1 > B``) holding B distinct positions below its length L with about 10% of the slots
+    empty (-1), a short one nothing (-1)."""
+    tokens = torch.full((len(lens), B), -1, dtype=torch.int32)
+    for r, L in enumerate(lens):
+        if L + 1 > B:
+            held = torch.randperm(L, generator=gen)[:B]
+            held[torch.rand(B, generator=gen) < 0.1] = -1
+            tokens[r] = held.to(torch.int32)
+    return tokens
+
+
+def verify_rows(rng: random.Random, slot_positions: torch.Tensor, lens: list[int], N: int, k: int) -> torch.Tensor:
+    """N query rows per request for verify-step cases: int32 [len(lens) * N, k]. Row j of request
+    r draws from one pool per request (positions its slots hold, so hits, and others below L, so
+    misses: the rows overlap) and adds window positions ``L .. L + j`` (causal), -1 padding,
+    shuffled."""
+    out = []
+    for r, L in enumerate(lens):
+        held = [int(t) for t in slot_positions[r] if t >= 0]
+        pool = sorted(set(rng.sample(held, min(len(held), k)) + rng.sample(range(L), min(L, k))))
+        for j in range(N):
+            choice = rng.sample(pool, max(0, min(len(pool), k - 1 - j)))
+            choice += [L + w for w in range(j + 1) if rng.random() < 0.6]
+            choice = choice[:k] + [-1] * (k - min(len(choice), k))
+            rng.shuffle(choice)
+            out.append(choice)
+    return torch.tensor(out, dtype=torch.int32)
+
+
 def _reuse_tables(spec: CaseSpec, gen: torch.Generator, R: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``reuse_levels`` uint8 [54] (values in [0, spec.reuse_levels)) and per-layer history words
     int16 [layers, R, B] (:func:`random_history`)."""

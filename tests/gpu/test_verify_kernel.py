@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
-from sglang_hisparse.resolver.cases import random_history  # noqa: E402
+from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions  # noqa: E402
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference  # noqa: E402
 from sglang_hisparse.resolver.verify import resolve_verify  # noqa: E402
 
@@ -54,24 +54,9 @@ def _case(rng: random.Random, N: int, B: int, policy: str) -> dict:
     n = rng.randint(1, R)
     lens = [rng.choice([rng.randrange(1, B), rng.randrange(B, 3 * B)]) for _ in range(R)]
     ctx, W = 3 * B + N + 2, B + N + 2
-    tokens = torch.full((R, B), -1, dtype=torch.int32)
-    for r, L in enumerate(lens):
-        if L + 1 > B:
-            held = torch.randperm(L, generator=g)[:B]
-            held[torch.rand(B, generator=g) < 0.1] = -1
-            tokens[r] = held.to(torch.int32)
+    tokens = verify_slot_positions(g, lens, B)
     order = torch.randperm(R, generator=g)[:n]
-    rows = []
-    for r in order.tolist():
-        L = lens[r]
-        held = [int(t) for t in tokens[r] if t >= 0]
-        pool = sorted(set(rng.sample(held, min(len(held), K)) + rng.sample(range(L), min(L, K))))
-        for j in range(N):
-            choice = rng.sample(pool, max(0, min(len(pool), K - 1 - j)))
-            choice += [L + w for w in range(j + 1) if rng.random() < 0.6]
-            choice = choice[:K] + [-1] * (K - min(len(choice), K))
-            rng.shuffle(choice)
-            rows.append(choice)
+    rows = verify_rows(rng, tokens[order], [lens[r] for r in order.tolist()], N, K)
     state = dict(
         hot_locs=torch.randperm(R * W, generator=g).view(R, W).to(torch.int32),
         slot_tokens=tokens,
@@ -81,7 +66,7 @@ def _case(rng: random.Random, N: int, B: int, policy: str) -> dict:
     if policy == "reuse":
         state["slot_history"] = random_history(g, (R, B))
     return dict(R=R, n=n, state=state, order=order, seq=torch.tensor([lens[r] for r in order.tolist()]),
-                rows=torch.tensor(rows, dtype=torch.int32),
+                rows=rows,
                 host_kv=torch.randn(R * ctx, ITEM // 2, generator=g).to(torch.bfloat16))
 
 
