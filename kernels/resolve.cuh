@@ -1661,6 +1661,7 @@ void resolve(
     int64_t block,
     int64_t num_copiers,
     int64_t spin_timeout_ns) {
+  // Checked before the tables so that a bad batch is named first (launch_bound checks it again).
   host::RuntimeCheck(topk.ndim() == 2 && detail::is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
                      "hisparse: top_k_positions must be int32 [num_reqs, ", kTopK, "]");
   const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(

@@ -38,19 +38,19 @@ EMBED_HEAD_TARGET = "sglang.srt.models.deepseek_v2.DeepseekV2ForCausalLM.set_emb
 CHECKED_AGAINST = "0.5.17"
 
 
-def _torch_native_dsa_draft(factory: Any, backend_name: str) -> bool:
-    """Whether the draft runner of ``factory`` is a DSA model SGLang would run on ``torch_native``."""
+def _torch_native_dsa_draft(factory: Any, *backend_names: str) -> bool:
+    """Whether the draft runner of ``factory`` is a DSA model that SGLang would run on
+    ``torch_native`` for one of ``backend_names`` (server-args fields)."""
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     args = factory.server_args
-    chosen = factory.draft_attn_backend or getattr(args, backend_name, None) or args.attention_backend
-    runner = factory.draft_model_runner
-    return chosen == "torch_native" and is_deepseek_dsa(runner.model_config.hf_config)
+    chosen = {factory.draft_attn_backend or getattr(args, name, None) or args.attention_backend
+              for name in backend_names}
+    return "torch_native" in chosen and is_deepseek_dsa(factory.draft_model_runner.model_config.hf_config)
 
 
 def draft_extend_backend(original: Callable[..., Any], factory: Any) -> Any:
-    if _torch_native_dsa_draft(factory, "prefill_attention_backend") or _torch_native_dsa_draft(
-            factory, "decode_attention_backend"):
+    if _torch_native_dsa_draft(factory, "prefill_attention_backend", "decode_attention_backend"):
         return TorchDSABackend(factory.draft_model_runner)
     return original(factory)
 
