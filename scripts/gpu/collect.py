@@ -46,6 +46,7 @@ FRAGMENTS = [
     ("gpu_run29/is_exact_f18.json", None),
     ("gpu_run33/fp8_lockstep.json", None),
     ("gpu_run34/fp8_lockstep_up.json", None),
+    ("gpu_run36/is_ds32.json", None),  # IndexShare prefetch on the representative-width variant
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -109,6 +110,8 @@ DEVICE_CALLS = {
                  "--repeats 1 --budget-s 230 --level-margin-s 30 --out $OUT/sweep_reuse2.json + e2e exactness "
                  "--kv-dtype fp8_e4m3 --configs upstream:4096:0:lockstep --no-overlap --wait-for-staging --budget-s 260 "
                  "--out $OUT/fp8_lockstep_up.json   (HISPARSE_PACK_JIT=0; same machine as gpu_run33, still warm)",
+    "gpu_run36": "bash scripts/gpu/run.sh e2e exactness --model ds32-width-indexshare --configs ours:4096:F18 "
+                 "--budget-s 540 --out $OUT/is_ds32.json   (HISPARSE_PACK_JIT=0)",
     "gpu_run21": "bash scripts/gpu/run.sh e2e exactness --configs ours:2048:F18 --budget-s 400 --out "
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:2048:0:lockstep --no-overlap "
                  "--wait-for-staging --budget-s 400 --out $OUT/exact_lockstep_2048.json + e2e throughput --impls ours "
