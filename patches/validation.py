@@ -17,7 +17,12 @@ from typing import Any
 
 from sglang_hisparse.config import config_from_server_args
 from sglang_hisparse.resolver.dispatch import choose_resolver, platform_of
-from sglang_hisparse.server_checks import ServerSettings, check_kernel_buffer_size, check_server_settings
+from sglang_hisparse.server_checks import (
+    ServerSettings,
+    check_kernel_buffer_size,
+    check_server_settings,
+    check_speculative_config,
+)
 
 TARGET = "sglang.srt.arg_groups.hisparse_hook.validate_hisparse"
 CHECKED_AGAINST = "0.5.17"
@@ -47,6 +52,11 @@ def read_settings(server_args: Any) -> ServerSettings:
         enable_prefill_cp=bool(server_args.enable_prefill_cp),
         disaggregation_mode=str(server_args.disaggregation_mode),
         enable_unified_memory=bool(server_args.enable_unified_memory),
+        speculative_eagle_topk=server_args.speculative_eagle_topk,
+        speculative_num_draft_tokens=server_args.speculative_num_draft_tokens,
+        speculative_adaptive=bool(server_args.speculative_adaptive),
+        enable_multi_layer_eagle=bool(server_args.enable_multi_layer_eagle),
+        disable_overlap_schedule=bool(server_args.disable_overlap_schedule),
     )
 
 
@@ -62,6 +72,7 @@ def validate_hisparse(server_args: Any) -> None:
         return
     config = config_from_server_args(server_args)
     check_server_settings(read_settings(server_args))
+    check_speculative_config(config)
     resolver = choose_resolver(config.resolver, platform_of(kv_device(server_args)))
     if resolver == "cuda":
         check_kernel_buffer_size(config)

@@ -24,9 +24,10 @@ device rows, so ``decode_available_size`` omits the device term.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
@@ -75,6 +76,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self._limited_by: Optional[str] = None
         self._reclaim: Callable[[int], None] = lambda rows: None
         self._reclaimable: Callable[[], int] = lambda: 0
+        self._logical_only = False
         kvcache.attach_mapping(self.logical_to_device)
 
     # --- configuration by the coordinator ----------------------------------------------------
@@ -88,6 +90,17 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         requests, and ``reclaim(rows)`` does so until ``rows`` are free (or nothing is left).
         Admission counts them as room; a prefill that needs them reclaims them first."""
         self._reclaim, self._reclaimable = reclaim, reclaimable
+
+    @contextlib.contextmanager
+    def logical_only(self) -> Iterator[None]:
+        """Within the block ``alloc`` and ``alloc_extend`` hand out logical ids only, no device
+        rows: a speculative decode step allocates its verify window through them, and the
+        coordinator maps the window's ids to hot-buffer slots (``begin_verify_step``)."""
+        self._logical_only = True
+        try:
+            yield
+        finally:
+            self._logical_only = False
 
     def _device_room_for(self, rows: int) -> bool:
         """Whether ``rows`` device rows are free, demoting resident requests if needed."""
@@ -157,8 +170,13 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self.free_group = []
 
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
-        """Logical ids with device rows for ``need_size`` tokens (whole pages)."""
-        if need_size > self.logical.available_tokens() or not self._device_room_for(need_size):
+        """Logical ids with device rows for ``need_size`` tokens (whole pages; no rows inside
+        :meth:`logical_only`)."""
+        if need_size > self.logical.available_tokens():
+            return None
+        if self._logical_only:
+            return self.logical.alloc_tokens(need_size)
+        if not self._device_room_for(need_size):
             return None
         logical = self.logical.alloc_tokens(need_size)
         rows = self.rows.pages.alloc_tokens(need_size)
@@ -174,10 +192,13 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         last_loc: torch.Tensor,
         extend_num_tokens: int,
     ) -> Optional[torch.Tensor]:
-        """Prefill: logical ids plus device rows (same in-page offsets), mapped one to one."""
+        """Prefill: logical ids plus device rows (same in-page offsets), mapped one to one (logical
+        ids only inside :meth:`logical_only`)."""
         pages = self.logical.pages_needed(prefix_lens_cpu.tolist(), seq_lens_cpu.tolist())
         if pages > self.logical.available_pages():
             return None
+        if self._logical_only:
+            return self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
         if not self._device_room_for(pages * self.page_size):
             return None
         logical = self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)

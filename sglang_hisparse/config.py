@@ -82,13 +82,20 @@ class HiSparseConfig:
     """Hot-buffer replacement policy: ``lru`` (least recently used slot first) or ``reuse`` (the
     history-only reuse table of docs/policies.md: per-slot age and selection count, the packaged
     table decides which unselected slot goes first, ties by LRU; resolver/reference.py)."""
+    query_rows: int = dataclasses.field(default=1, metadata={"derived": True})
+    """Query rows per request in a decode step: 1, or with linear speculative decoding the verify
+    window, ``--speculative-num-draft-tokens`` (draft steps + 1). Set from the server's
+    speculative arguments (:func:`speculative_query_rows`), not a ``--hisparse-config`` key. The
+    hot buffer's window has this many slots; ``device_buffer_size`` defaults to
+    ``(query_rows + 1) x top_k`` and must be at least ``query_rows x top_k``."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def _field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(HiSparseConfig))
+    """The ``--hisparse-config`` keys: every field not derived from other server arguments."""
+    return tuple(f.name for f in dataclasses.fields(HiSparseConfig) if not f.metadata.get("derived"))
 
 
 KNOWN_KEYS: tuple[str, ...] = _field_names()
@@ -131,7 +138,7 @@ def _require_choice(
 
 
 def parse_hisparse_config(
-    raw_json: Optional[str], model_index_topk: Optional[int] = None
+    raw_json: Optional[str], model_index_topk: Optional[int] = None, query_rows: int = 1
 ) -> HiSparseConfig:
     """Parse and validate ``--hisparse-config``.
 
@@ -139,11 +146,12 @@ def parse_hisparse_config(
         raw_json: the JSON object string from the command line, or None (all defaults).
         model_index_topk: the model's ``index_topk``; when given it is the effective top_k
             (as upstream), whatever the ``top_k`` key says.
+        query_rows: query rows per request in a decode step (:attr:`HiSparseConfig.query_rows`).
 
     Raises:
         HiSparseConfigError: one line naming the key, the value and what is allowed.
     """
-    return _parse_cached(raw_json, model_index_topk)
+    return _parse_cached(raw_json, model_index_topk, int(query_rows))
 
 
 @functools.lru_cache(maxsize=16)
@@ -175,7 +183,7 @@ def _load_object(raw_json: Optional[str]) -> dict[str, Any]:
     return raw
 
 
-def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> HiSparseConfig:
+def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], query_rows: int) -> HiSparseConfig:
     raw = _load_object(raw_json)
     user_top_k = _require_int(raw, "top_k", DEFAULT_TOP_K)
     if user_top_k < 1:
@@ -190,12 +198,15 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> H
                 top_k,
             )
 
-    device_buffer_size = _require_int(raw, "device_buffer_size", 2 * top_k)
-    if not top_k <= device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+    device_buffer_size = _require_int(raw, "device_buffer_size", (query_rows + 1) * top_k)
+    lowest = query_rows * top_k
+    if not lowest <= device_buffer_size <= MAX_DEVICE_BUFFER_SIZE:
+        low = f"top_k={top_k}" if query_rows == 1 else (
+            f"{query_rows} x top_k={lowest}: a verify step of {query_rows} tokens per request")
         raise _fail(
             "device_buffer_size",
             device_buffer_size,
-            f"must be in [top_k={top_k}, {MAX_DEVICE_BUFFER_SIZE}] "
+            f"must be in [{low}, {MAX_DEVICE_BUFFER_SIZE}] "
             "(hot-buffer slots are int16)",
         )
 
@@ -224,6 +235,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int]) -> H
         residency=_require_bool(raw, "residency", False),
         residency_watermark=_watermark(raw),
         replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
+        query_rows=query_rows,
     )
 
 
@@ -251,9 +263,23 @@ def model_index_topk(model_config: Any) -> Optional[int]:
     return None
 
 
+def speculative_query_rows(server_args: Any) -> int:
+    """Query rows per request in a decode step of this server: ``--speculative-num-draft-tokens``
+    (draft steps + 1; SGLang has resolved it by the time HiSparse is validated) with linear
+    speculation (EAGLE or NEXTN, ``--speculative-eagle-topk 1``), else 1 (other speculation is
+    refused by the server checks)."""
+    if getattr(server_args, "speculative_algorithm", None) not in ("EAGLE", "NEXTN"):
+        return 1
+    if getattr(server_args, "speculative_eagle_topk", None) != 1:
+        return 1
+    return max(1, int(server_args.speculative_num_draft_tokens or 1))
+
+
 def config_from_server_args(server_args: Any) -> HiSparseConfig:
-    """The typed config of a server, with the model's ``index_topk`` applied."""
+    """The typed config of a server, with the model's ``index_topk`` and the speculative verify
+    window applied."""
     return parse_hisparse_config(
         server_args.hisparse_config,
         model_index_topk(server_args.get_model_config()),
+        speculative_query_rows(server_args),
     )

@@ -14,7 +14,11 @@ The work is done by components with one owner each (docs/design.md, "Ownership")
 :class:`~sglang_hisparse.hot_buffers.HotBuffers` (hot-buffer rows and per-layer slot tables),
 :class:`~sglang_hisparse.stats.ResolveStats` (counters, step lines, idle reports),
 :class:`~sglang_hisparse.layers.LayerResolve` (each layer's bound resolver, IndexShare prefetch)
-and, with residency on, :class:`~sglang_hisparse.pressure.ResidentDecode`. The allocator (ids,
+and, with residency on, :class:`~sglang_hisparse.pressure.ResidentDecode`. With linear
+speculative decoding (``config.query_rows`` N > 1) decode steps are verify steps of N tokens per
+request: :meth:`HiSparseCoordinator.begin_verify_step` replaces ``map_last_loc_to_buffer`` and
+:meth:`HiSparseCoordinator.resolve_verify` replaces ``swap_in_selected_pages`` (both called by our
+seams, ``patches/speculative.py``). The allocator (ids,
 rows, mapping) and the device pool are SGLang's objects of our classes, passed in. This class
 holds only the per-step buffers SGLang reads or that two components share (``num_real_reqs``,
 ``raw_indices_buffer``, the resolver output).
@@ -78,7 +82,8 @@ class HiSparseCoordinator:
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         reuse = self.config.replacement == "reuse"
         self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
-                              buffer_size=device_buffer_size, device=device, history=reuse)
+                              buffer_size=device_buffer_size, device=device, history=reuse,
+                              window=self.config.query_rows)
         ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
         self.mirror = HostMirror(self.device_pool, ratio, max_reqs=max_reqs, max_context=req_to_token_pool.max_context_len,
                                  device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
@@ -95,6 +100,8 @@ class HiSparseCoordinator:
                                   free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool))
         resolver = make_resolver(self.config, device, max_reqs, top_k)
         resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
+        if self.config.query_rows > 1:
+            resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k * self.config.query_rows)
         selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self._resident_decode: Optional[ResidentDecode] = None
         if self.config.residency:
@@ -105,8 +112,9 @@ class HiSparseCoordinator:
             num_real_reqs=self.num_real_reqs, skip_io=self.config.skip_io, out=selections,
             topk_sources=topk_sources if self.config.indexshare_prefetch else None,
             residency_tables=self._resident_decode.resolver_tables if self._resident_decode is not None else {},
-            reuse_levels=reuse_levels_for(device) if reuse else None)
+            reuse_levels=reuse_levels_for(device) if reuse else None, query_rows=self.config.query_rows)
         self._waiting_since: Optional[str] = None
+        self._draft_state: dict[int, Any] = {}
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
                     top_k, self.device_pool.layer_num, resolver.name, capacity_line(self.capacity))
 
@@ -145,6 +153,15 @@ class HiSparseCoordinator:
         """After prefill: copy the request's KV (every layer) to host rows off the critical path."""
         self.stats.note_activity()
         self.mirror.stage(req, self.allocator.device_rows_of(self._logical_ids(req, req.extend_range.end)))
+
+    def keep_draft_state(self, req_pool_idx: int, state: Any) -> None:
+        """Speculation: hold a staged request's draft state (SGLang's object, opaque here) until
+        it joins decode (:meth:`take_draft_state`) or leaves."""
+        self._draft_state[req_pool_idx] = state
+
+    def take_draft_state(self, req_pool_idx: int) -> Any:
+        """The draft state kept for a request joining decode (KeyError when none was kept)."""
+        return self._draft_state.pop(req_pool_idx)
 
     def collect_ready_reqs(self) -> List[Any]:
         """Staged requests, in order, whose copy finished on every rank and whose hot buffer fits.
@@ -204,6 +221,9 @@ class HiSparseCoordinator:
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` count the new token): write the previous token
         through to host, grow short buffers, and map the new token's logical id to its newest slot."""
+        if self.config.query_rows > 1:
+            raise HiSparsePluginError("sglang-hisparse: a one-token decode step on a server whose decode steps "
+                                      f"verify {self.config.query_rows} tokens (begin_verify_step maps those)")
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self.stats.note_decode_step(len(lens))
         self.mirror.write_through(idxs, lens, self.device_rows_now)
@@ -219,6 +239,29 @@ class HiSparseCoordinator:
         reads ``num_real_reqs`` on device and writes a preallocated output buffer."""
         return self._layers(layer_id, req_pool_indices, seq_lens, top_k_result)
 
+    # --- speculative verify steps (N = config.query_rows tokens per request) ---------------------
+    def begin_verify_step(self, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],
+                          committed_lens: list[int]) -> None:
+        """Before a verify step, after SGLang allocated its ids (``req_to_token[r, L .. L + N)``,
+        ``L`` = the committed length): write the positions committed since the last step through
+        to host, grow short hot buffers, and map the window's logical ids to their slots (the hot
+        buffers' window rule). Side effects: host rows and a write-through copy (the forward
+        waits for it, ``wait_for_pending_backup``), rows from the reserve, the mapping."""
+        N = self.config.query_rows
+        self.stats.note_decode_step(len(committed_lens))
+        self.mirror.write_through(req_pool_indices_cpu, [L + 1 for L in committed_lens], self.device_rows_now)
+        rows = self.hot.window_rows(req_pool_indices_cpu, committed_lens, req_pool_indices)  # [bs, N]
+        starts = torch.tensor(committed_lens, dtype=torch.int64).to(rows.device, non_blocking=True)
+        positions = starts[:, None] + torch.arange(N, device=rows.device)
+        logical = self.req_to_token_pool.req_to_token[req_pool_indices[:, None].long(), positions]
+        self.allocator.map_logical(logical.reshape(-1).long(), rows.reshape(-1))
+
+    def resolve_verify(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
+        """Resolve one layer of a verify step to device rows (int32 [num_reqs * N, top_k]):
+        ``top_k_result`` holds N rows per request, ``seq_lens`` the committed lengths
+        (resolver/verify.py). Graph safe as ``swap_in_selected_pages``."""
+        return self._layers.verify(layer_id, req_pool_indices, seq_lens, top_k_result)
+
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:
         """Free everything the request holds here: hot buffer, host rows, mapping. Idempotent;
@@ -226,6 +269,7 @@ class HiSparseCoordinator:
         idx = req.req_pool_idx
         if idx is None:
             return
+        self._draft_state.pop(idx, None)
         if self.mirror.is_staged(req):
             self._leave_staging(req)
             return

@@ -4,6 +4,11 @@ SGLang hands the pool logical ids (what ``req_to_token`` stores). KV writes and 
 them to device rows with the allocator's mapping; the indexer-key buffer is indexed by logical
 id directly and sized for the whole logical space, so indexer state never leaves the GPU.
 
+A pool built inside :func:`resident_pools` is *resident* instead: KV rows for the whole logical
+space, indexed by logical id, no mapping. It is the draft (MTP) model's pool of a speculative
+server (``patches/draft_runner.py``): the draft layer keeps its whole KV on the device and runs
+SGLang's non-HiSparse path, so rejected drafts stay SGLang's business.
+
 Subclasses SGLang's ``DSATokenToKVPool`` because SGLang checks pools with ``isinstance``
 (DSA/MLA code paths, PD transfer). Owns: the device KV buffers (rows) and the indexer buffers.
 Reads, never writes: the mapping (owned by the allocator).
@@ -11,10 +16,24 @@ Reads, never writes: the mapping (owned by the allocator).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from contextvars import ContextVar
+from typing import Any, Iterator, Optional
 
 import torch
 from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+_BUILD_RESIDENT: ContextVar[bool] = ContextVar("sglang_hisparse_build_resident_pool", default=False)
+
+
+@contextlib.contextmanager
+def resident_pools() -> Iterator[None]:
+    """HiSparse device pools constructed within the block are resident (module docstring)."""
+    token = _BUILD_RESIDENT.set(True)
+    try:
+        yield
+    finally:
+        _BUILD_RESIDENT.reset(token)
 
 
 class HiSparseDevicePool(DSATokenToKVPool):
@@ -22,31 +41,38 @@ class HiSparseDevicePool(DSATokenToKVPool):
     (``size`` positional, the DSA pool's keywords) plus ``host_to_device_ratio``."""
 
     def __init__(self, size: int, *, host_to_device_ratio: int = 2, **dsa_pool_args: Any):
-        # KV rows: ``size`` (the device space). Indexer keys: one per logical id, so that a
-        # request's selection state never leaves the GPU while its KV lives in host rows.
-        super().__init__(size, index_buf_size=size * host_to_device_ratio, **dsa_pool_args)
+        # KV rows: ``size`` (the device space), or the whole logical space when resident.
+        # Indexer keys: one per logical id, so that a request's selection state never leaves the
+        # GPU while its KV lives in host rows.
+        self.resident = _BUILD_RESIDENT.get()
+        logical_size = size * host_to_device_ratio
+        super().__init__(logical_size if self.resident else size, index_buf_size=logical_size, **dsa_pool_args)
         self.row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
         self.logical_to_device: Optional[torch.Tensor] = None
 
     def attach_mapping(self, logical_to_device: torch.Tensor) -> None:
-        """Called once by the allocator that owns the mapping."""
+        """Called once by the allocator that owns the mapping (never for a resident pool)."""
+        assert not self.resident, "a resident pool is indexed by logical id"
         self.logical_to_device = logical_to_device
+
+    def _rows(self, loc: torch.Tensor) -> torch.Tensor:
+        return loc if self.resident else self.logical_to_device[loc]
 
     def translate_loc_to_hisparse_device(self, logical_ids: torch.Tensor) -> torch.Tensor:
         """Device rows of logical ids (SGLang's DSA backend translates prefill page tables)."""
-        return self.logical_to_device[logical_ids]
+        return self._rows(logical_ids)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
-        return super().set_kv_buffer(layer, self.logical_to_device[loc], cache_k, cache_v, *args, **kwargs)
+        return super().set_kv_buffer(layer, self._rows(loc), cache_k, cache_v, *args, **kwargs)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope, *args, **kwargs):
-        rows = self.logical_to_device[loc]
+        rows = self._rows(loc)
         if self.device_kind != "cuda":
             return self._write_rows_torch(layer.layer_id, rows, cache_k_nope, cache_k_rope)
         return super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope, *args, **kwargs)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None, *args, **kwargs):
-        rows = self.logical_to_device[loc]
+        rows = self._rows(loc)
         if self.device_kind != "cuda":
             kv = self.kv_buffer[layer.layer_id - self.start_layer][rows].view(self.dtype)
             dst_dtype = dst_dtype or self.dtype

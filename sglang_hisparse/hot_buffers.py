@@ -1,8 +1,11 @@
 """Hot buffers: the device rows each decoding request holds, and what every layer keeps in them.
 
-A request's hot buffer is ``B`` slots plus one page whose first row (slot ``B``) always holds the
-newest token: ``padded = round_up(B + 1, page)`` device rows in all. Per request slot this table
-owns (preallocated, fixed addresses for CUDA graphs):
+A request's hot buffer is ``B`` slots plus the *window*: ``N`` slots ``B .. B + N - 1`` for the
+tokens a step writes (N = 1: the newest token; linear speculation: N = 1 + draft tokens, the
+verify window), ``padded = round_up(B + N, page)`` device rows in all. A step that writes
+positions ``start .. start + N - 1`` puts position ``p`` in slot ``p`` while ``p < B`` (a short
+request fills its buffer in position order) and in window slot ``B + p - start`` otherwise. Per
+request slot this table owns (preallocated, fixed addresses for CUDA graphs):
 
 * ``slot_rows`` (int32 [max_reqs, padded]): the device row of each slot;
 * ``capacity`` / ``reserve`` (host ints): slots with a row so far, rows promised for growth
@@ -13,7 +16,15 @@ owns (preallocated, fixed addresses for CUDA graphs):
   (written by the resolver, reset here);
 * ``history`` (int16 [layers, max_reqs, B], only with ``replacement: "reuse"``, else None): each
   layer's packed per-slot age and selection count (``replacement/reuse.py``; written by the
-  resolver, zeroed here wherever ``recency`` is reset).
+  resolver, zeroed here wherever ``recency`` is reset);
+* ``window_start`` (int64 [max_reqs], only for N > 1): the first position of each request's
+  current window (positions ``>= B`` of the previous window are read from there by the next
+  step's write-through).
+
+With N > 1 a window may hold rejected draft tokens. Slots ``< B`` still only ever hold the KV
+of their own position when read: a position ``p < B`` written in a window and rejected lies at
+or after the next window's start (which is the committed length), so that window rewrites slot
+``p`` before anything reads it.
 
 A buffer starts either as the request's own first positions (slot ``p`` holds position ``p``:
 the staging path keeps the prefill's first pages) or empty (PD: a long request's first
@@ -30,12 +41,13 @@ import torch
 
 class HotBuffers:
     def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device,
-                 history: bool = False):
+                 history: bool = False, window: int = 1):
         page = allocator.page_size
         self.allocator = allocator
         self.buffer_size = B = buffer_size
+        self.window = window
         self.page_size = page
-        self.padded = -(-(B + 1) // page) * page
+        self.padded = -(-(B + window) // page) * page
         self.slot_rows = torch.zeros((max_reqs, self.padded), dtype=torch.int32, device=device)
         self.capacity = [0] * max_reqs
         self.reserve = [0] * max_reqs
@@ -45,6 +57,9 @@ class HotBuffers:
         self.recency.copy_(self._slot_numbers.to(torch.int16).expand_as(self.recency))
         self.history: Optional[torch.Tensor] = (
             torch.zeros((layers, max_reqs, B), dtype=torch.int16, device=device) if history else None)
+        self.window_start: Optional[torch.Tensor] = (
+            torch.zeros(max_reqs, dtype=torch.int64, device=device) if window > 1 else None)
+        self._window_offsets = torch.arange(window, dtype=torch.int64, device=device)
 
     def holds(self, idx: int) -> bool:
         return self.capacity[idx] > 0
@@ -69,6 +84,8 @@ class HotBuffers:
         self.reserve[idx] = self.padded - keep
         self.slot_positions[:, idx] = self._slot_numbers if filled else -1
         self._reset_order(idx)
+        if self.window_start is not None:
+            self.window_start[idx] = logical_ids.numel()
         return rows
 
     def open_with_rows(self, idx: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
@@ -84,17 +101,21 @@ class HotBuffers:
         self._reset_order(idx)
 
     def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
-        """Before a step: a request whose newest position ``seq_len - 1 <= B`` has no row yet gets
-        the next page(s) from its reserve (never fails: the allocator set the rows aside)."""
+        """Before a one-token step: a request whose newest position ``seq_len - 1 <= B`` has no
+        row yet gets the next page(s) from its reserve (never fails: the allocator set the rows
+        aside)."""
         for idx, seq_len in zip(idxs, seq_lens):
-            needed = min(seq_len, self.buffer_size + 1)
-            have = self.capacity[idx]
-            if needed <= have:
-                continue
-            add = -(-needed // self.page_size) * self.page_size - have
-            self.slot_rows[idx, have : have + add] = self.allocator.grow_hot_buffer(add).to(torch.int32)
-            self.capacity[idx] = have + add
-            self.reserve[idx] -= add
+            self._grow_to(idx, min(seq_len, self.buffer_size + 1))
+
+    def _grow_to(self, idx: int, needed: int) -> None:
+        """Rows for slots ``0 .. needed - 1`` of request slot ``idx``, whole pages from its reserve."""
+        have = self.capacity[idx]
+        if needed <= have:
+            return
+        add = -(-needed // self.page_size) * self.page_size - have
+        self.slot_rows[idx, have : have + add] = self.allocator.grow_hot_buffer(add).to(torch.int32)
+        self.capacity[idx] = have + add
+        self.reserve[idx] -= add
 
     def newest_rows(self, idxs: list[int], seq_lens: list[int], req_pool_indices: torch.Tensor,
                     seq_lens_t: torch.Tensor) -> torch.Tensor:
@@ -103,11 +124,28 @@ class HotBuffers:
         self.grow(idxs, seq_lens)
         return self.rows_of_positions(req_pool_indices, seq_lens_t - 1)
 
+    def window_rows(self, idxs: list[int], starts: list[int], req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Before a step writing positions ``start .. start + N - 1`` of each request: grow short
+        buffers to cover the window's slots, record the window starts, and return the rows (int64
+        [len(idxs), N]) the window's positions go to (module docstring). Needs N > 1."""
+        B, N = self.buffer_size, self.window
+        assert self.window_start is not None, "window_rows is the N > 1 form of newest_rows"
+        for idx, start in zip(idxs, starts):
+            self._grow_to(idx, start + N if start + N <= B else B + N)
+        starts_t = torch.tensor(starts, dtype=torch.int64).to(self.window_start.device, non_blocking=True)
+        self.window_start[req_pool_indices] = starts_t
+        return self.rows_of_positions(req_pool_indices[:, None], starts_t[:, None] + self._window_offsets)
+
     # --- lookups -----------------------------------------------------------------------------
     def rows_of_positions(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Device rows (int64) now holding ``positions`` as the newest or a fast-path token:
-        slot ``min(position, B)`` of each request."""
-        slots = positions.to(torch.int64).clamp(max=self.buffer_size)
+        """Device rows (int64) now holding ``positions`` (broadcast with ``req_pool_idx``) as a
+        window or fast-path token: slot ``position`` below B, else its window slot (N = 1: slot B)."""
+        positions = positions.to(torch.int64)
+        B = self.buffer_size
+        if self.window_start is None:
+            slots = positions.clamp(max=B)
+        else:
+            slots = torch.where(positions < B, positions, B + positions - self.window_start[req_pool_idx])
         return self.slot_rows[req_pool_idx, slots].to(torch.int64)
 
     def _reset_order(self, idx: int) -> None:

@@ -5,9 +5,14 @@ layer's resolver once (tables, KV buffers, counters, plan and residency tables c
 checks only the batch) and, for an IndexShare model with prefetch on, wires the source layers'
 plans to their followers (:mod:`sglang_hisparse.prefetch`).
 
-Owned state: the bound resolvers and the prefetch. It writes the output rows ``out`` (int32
-[max_reqs, top_k], fixed address for CUDA graphs, passed in: residency reads a demoted request's
-last selections there; a follower layer returns its source's rows from it).
+With a verify window of N > 1 query rows (linear speculation) each layer also gets a resolver
+bound for the verify union's width ``N x top_k`` (no prefetch plan: in a verify step every layer
+resolves its own rows) and :meth:`LayerResolve.verify` resolves a verify step through
+:class:`~sglang_hisparse.resolver.verify.VerifyStep`.
+
+Owned state: the bound resolvers, the prefetch and the verify step's buffers. It writes the
+output rows ``out`` (int32 [max_reqs, top_k], fixed address for CUDA graphs, passed in: residency
+reads a demoted request's last selections there; a follower layer returns its source's rows from it).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 
 from sglang_hisparse.prefetch import IndexSharePrefetch
 from sglang_hisparse.resolver.dispatch import Resolver
+from sglang_hisparse.resolver.verify import VerifyStep
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +33,7 @@ class LayerResolve:
     def __init__(self, resolver: Resolver, *, layers: int, max_reqs: int, top_k: int, device: torch.device,
                  hot, mirror, device_pool, counters: torch.Tensor, num_real_reqs: torch.Tensor, skip_io: bool,
                  out: torch.Tensor, topk_sources: Optional[list[int]], residency_tables: dict,
-                 reuse_levels: Optional[torch.Tensor] = None):
+                 reuse_levels: Optional[torch.Tensor] = None, query_rows: int = 1):
         self.out = out
         self._resolver = resolver
         self._mirror, self._device_pool = mirror, device_pool
@@ -46,6 +52,18 @@ class LayerResolve:
             plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,
             **self._policy_tables(hot, layer, reuse_levels),
         ) for layer in range(layers)]
+        self._verify: Optional[VerifyStep] = None
+        self._verify_layers: list = []
+        if query_rows > 1:
+            self._verify = VerifyStep(max_reqs=max_reqs, top_k=top_k, query_rows=query_rows,
+                                      device_buffer_size=hot.buffer_size, hot_locs=hot.slot_rows, device=device)
+            self._verify_layers = [resolver.bind(
+                width=query_rows * top_k, hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer],
+                lru=hot.recency[layer], host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer],
+                device_kv=device_pool.kv_buffer[layer], num_real_reqs=num_real_reqs,
+                device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
+                **self._policy_tables(hot, layer, reuse_levels),
+            ) for layer in range(layers)]
 
     @staticmethod
     def _policy_tables(hot, layer: int, reuse_levels: Optional[torch.Tensor]) -> dict:
@@ -70,6 +88,13 @@ class LayerResolve:
         if source:
             prefetch.after_source(layer_id, self._counters, copy=not self._skip_io)
         return out
+
+    def verify(self, layer_id: int, req_pool_indices, seq_lens, top_k_result) -> torch.Tensor:
+        """Device rows (int32 [num_reqs * N, top_k]) of one layer's verify step: ``top_k_result``
+        holds N rows per request, ``seq_lens`` the committed lengths (resolver/verify.py). Side
+        effects: the layer's union resolve (tables, copies, counters)."""
+        assert self._verify is not None, "verify steps need a server built with query_rows > 1"
+        return self._verify.resolve(self._verify_layers[layer_id], top_k_result, seq_lens, req_pool_indices)
 
     def _replay_onto(self, plan, layer_id: int) -> None:
         self._resolver.replay(plan=plan, num_real_reqs=self._num_real_reqs,

@@ -6,8 +6,10 @@ raised here, so registration is ordered to fail safe: the self-check (which make
 ``--enable-hisparse`` refuse to start unless every HiSparse object is ours) is registered first
 and learns each class only once that class's seam is registered.
 
-Nothing changes while ``--enable-hisparse`` is off: the hooked SGLang functions are only called
-on HiSparse paths, and the REPLACEd classes are only built when HiSparse is enabled.
+Nothing changes while ``--enable-hisparse`` is off: the hooked SGLang functions are either only
+called on HiSparse paths or check first that our coordinator (or ``--enable-hisparse``) is there
+and otherwise call the original unchanged; the REPLACEd classes are only built when HiSparse is
+enabled.
 """
 
 from __future__ import annotations
@@ -38,14 +40,19 @@ def function_seams() -> list[ModuleType]:
     from sglang_hisparse.patches import (
         config_parser,
         decode_memory_check,
+        draft_runner,
         idle_report,
         metrics,
         pd_retraction,
         request_admission,
+        staging_draft,
         validation,
+        verify_forward,
+        verify_step,
     )
 
-    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction, metrics]
+    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction, metrics,
+             verify_step, verify_forward, draft_runner, staging_draft]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,
@@ -55,6 +62,10 @@ def function_seams() -> list[ModuleType]:
         )
 
         seams += [cpu_capability_probe, cpu_paged_allocator, cpu_dsa_indexer, cpu_dsa_attention]
+    else:
+        from sglang_hisparse.patches import verify_attention
+
+        seams.append(verify_attention)
     return seams
 
 

@@ -41,6 +41,11 @@ class ServerSettings:
     enable_prefill_cp: bool = False
     disaggregation_mode: str = "null"
     enable_unified_memory: bool = False
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_adaptive: bool = False
+    enable_multi_layer_eagle: bool = False
+    disable_overlap_schedule: bool = False
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -78,16 +83,56 @@ def check_server_settings(s: ServerSettings) -> None:
             "--enable-hisparse: --enable-mixed-chunk is not supported (decode requests must "
             "not share a batch with prefill chunks)"
         )
-    if s.speculative_algorithm:
-        raise HiSparseConfigError(
-            f"--enable-hisparse: --speculative-algorithm={s.speculative_algorithm} is not "
-            "supported by sglang-hisparse yet"
-        )
+    _check_speculation(s)
     if s.pp_size != 1:
         raise HiSparseConfigError(
             f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)"
         )
     _check_parallel_layout(s)
+
+
+SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
+"""Linear speculation only (SGLang resolves NEXTN to EAGLE before HiSparse is validated)."""
+
+
+def _check_speculation(s: ServerSettings) -> None:
+    """Linear speculative decoding (a fixed verify window per request) is served; anything whose
+    window varies or branches is refused, as is what the first version does not cover yet."""
+    algorithm = s.speculative_algorithm
+    if not algorithm:
+        return
+    if algorithm not in SPECULATIVE_ALGORITHMS:
+        raise HiSparseConfigError(
+            f"--enable-hisparse: --speculative-algorithm={algorithm} is not supported by sglang-hisparse "
+            "(allowed: EAGLE or NEXTN with --speculative-eagle-topk 1)")
+    if s.speculative_eagle_topk != 1:
+        raise HiSparseConfigError(
+            f"--enable-hisparse: --speculative-eagle-topk={s.speculative_eagle_topk} is not supported by "
+            "sglang-hisparse (linear speculation only: --speculative-eagle-topk 1)")
+    if s.speculative_adaptive:
+        raise HiSparseConfigError(
+            "--enable-hisparse: --speculative-adaptive is not supported by sglang-hisparse (the verify "
+            "window must keep one size: leave it off)")
+    if s.enable_multi_layer_eagle:
+        raise HiSparseConfigError(
+            "--enable-hisparse: --enable-multi-layer-eagle is not supported by sglang-hisparse (leave it off)")
+    if not s.disable_overlap_schedule:
+        raise HiSparseConfigError(
+            f"--enable-hisparse with --speculative-algorithm={algorithm} needs --disable-overlap-schedule: "
+            "sglang-hisparse maps each verify window from the committed lengths on the host, which the "
+            "overlap scheduler learns one step late")
+    if s.disaggregation_mode == "decode":
+        raise HiSparseConfigError(
+            f"--enable-hisparse: --speculative-algorithm={algorithm} with --disaggregation-mode=decode is "
+            "not supported by sglang-hisparse yet (allowed: --disaggregation-mode null)")
+
+
+def check_speculative_config(config: HiSparseConfig) -> None:
+    """HiSparse options that have no meaning with a verify window of more than one token."""
+    if config.query_rows > 1 and config.residency:
+        raise HiSparseConfigError(
+            "--hisparse-config: residency=true is not supported with speculative decoding (resident "
+            "requests have no verify window): leave residency off")
 
 
 def _check_parallel_layout(s: ServerSettings) -> None:
@@ -117,13 +162,24 @@ def _check_parallel_layout(s: ServerSettings) -> None:
 
 def check_kernel_buffer_size(config: HiSparseConfig) -> None:
     """The fused kernel keeps a request's hot-buffer tables in one block's shared memory: refuse a
-    ``device_buffer_size`` above what fits for the model's top_k."""
+    ``device_buffer_size`` above what fits for the model's top_k (a verify step resolves a union
+    of ``query_rows x top_k`` positions per request)."""
     from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size
 
-    limit = largest_buffer_size(config.top_k)
+    width = config.query_rows * config.top_k
+    limit = largest_buffer_size(width)
+    if limit < width:
+        steps = max(n for n in range(1, config.query_rows + 1) if largest_buffer_size(n * config.top_k) >= n * config.top_k)
+        raise HiSparseConfigError(
+            f"--enable-hisparse: a verify step of {config.query_rows} tokens per request resolves a union of "
+            f"{config.query_rows} x top_k={width} positions, which the fused kernel's shared memory "
+            f"({MAX_SMEM_BYTES // 1024} KiB per block) does not hold for any device_buffer_size: use "
+            f"--speculative-num-steps {steps - 1} or fewer, or --hisparse-config resolver=reference")
     if config.device_buffer_size > limit:
+        what = f"top_k={config.top_k}" if config.query_rows == 1 else (
+            f"a verify union of {config.query_rows} x top_k={width} positions")
         raise HiSparseConfigError(
             f"--hisparse-config: invalid device_buffer_size={config.device_buffer_size}: the fused "
             f"kernel's shared memory ({MAX_SMEM_BYTES // 1024} KiB per block) holds at most {limit} "
-            f"slots for top_k={config.top_k}; allowed: [{config.top_k}, {limit}]"
+            f"slots for {what}; allowed: [{width}, {limit}]"
         )

@@ -76,8 +76,10 @@ class Rig:
         topk_sources: Optional[list] = None,
         indexshare_prefetch: bool = True,
         replacement: str = "lru",
+        query_rows: int = 1,
     ):
         self.layers = layers
+        self.query_rows = query_rows
         self.top_k = top_k
         self.B = device_buffer_size
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, "cpu", False)
@@ -94,7 +96,7 @@ class Rig:
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
             residency=residency, residency_watermark=residency_watermark, indexshare_prefetch=indexshare_prefetch,
-            replacement=replacement,
+            replacement=replacement, query_rows=query_rows,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,
@@ -220,6 +222,70 @@ class Rig:
                 want = true_row(r.uid, layer, p)
                 assert torch.equal(got, want), f"req {r.uid} layer {layer} pos {p}: row {row} holds {got[0].item()}"
             assert out[i, len(sel):].eq(-1).all()
+
+    # --- speculative verify steps (query_rows = N tokens per request) ------------------------
+    def verify_step(self, reqs: list, accepts: list) -> None:
+        """One linear-speculation step the way SGLang 0.5.17 runs it: ids grow to
+        ``round_up(committed + 2N, page)`` (``eagle_prepare_for_decode``, logical only inside our
+        seam), ``begin_verify_step``, then the verify forward writes the KV of positions
+        ``L .. L + N - 1``: the true KV for the ``accept`` positions the step will commit, a
+        rejected draft's (negated) KV for the others. Call :meth:`resolve_verify_and_check` per
+        layer, then :meth:`commit`."""
+        N = self.query_rows
+        idx = torch.tensor([r.req_pool_idx for r in reqs])
+        cur = torch.tensor([r.kv.kv_allocated_len for r in reqs])
+        nxt = torch.tensor([max(r.kv.kv_allocated_len, -(-(r.seq_len + 2 * N) // PAGE) * PAGE) for r in reqs])
+        if bool((nxt > cur).any()):
+            last_loc = self.req_to_token_pool.req_to_token[idx, cur - 1].to(torch.int64)
+            with self.allocator.logical_only():
+                logical = self.allocator.alloc_extend(cur, cur, nxt, nxt, last_loc, int((nxt - cur).sum()))
+            assert logical is not None
+            start = 0
+            for r, a, b in zip(reqs, cur.tolist(), nxt.tolist()):
+                self.req_to_token_pool.req_to_token[r.req_pool_idx, a:b] = logical[start : start + b - a].to(torch.int32)
+                start += b - a
+                r.kv.kv_allocated_len = b
+        self.coord.begin_verify_step(idx, idx.tolist(), [r.seq_len for r in reqs])
+        self.coord.wait_for_pending_backup()
+        window = torch.stack([self.req_to_token_pool.req_to_token[r.req_pool_idx, r.seq_len : r.seq_len + N]
+                              for r in reqs]).reshape(-1).to(torch.int64)
+        for layer in range(self.layers):
+            rows = torch.stack([self.window_kv(r, layer, j, a) for r, a in zip(reqs, accepts) for j in range(N)])
+            self.pool.set_mla_kv_buffer(
+                SimpleNamespace(layer_id=layer), window,
+                rows[:, :KV_LORA].reshape(-1, 1, KV_LORA), rows[:, KV_LORA:].reshape(-1, 1, ROPE),
+            )
+        self._accepts = dict(zip((r.uid for r in reqs), accepts))
+
+    @staticmethod
+    def window_kv(req: Request, layer: int, j: int, accept: int) -> torch.Tensor:
+        """The KV the verify forward writes for window token j: true when it will be committed."""
+        row = true_row(req.uid, layer, req.seq_len + j)
+        return row if j < accept else -row - 1
+
+    def resolve_verify_and_check(self, reqs: list, layer: int, rows_per_req: list) -> None:
+        """``rows_per_req[i][j]``: the positions verify row j of request i selects (< L + j + 1).
+        Every selected position's device row must hold its true KV (a committed position) or
+        the KV this step wrote (a window position)."""
+        N, top_k = self.query_rows, self.top_k
+        padded = [sel + [-1] * (top_k - len(sel)) for rows in rows_per_req for sel in rows]
+        idx = torch.tensor([r.req_pool_idx for r in reqs])
+        seq_lens = torch.tensor([r.seq_len for r in reqs])
+        self.coord.num_real_reqs.fill_(len(reqs))
+        out = self.coord.resolve_verify(idx, seq_lens, torch.tensor(padded, dtype=torch.int32), layer)
+        for i, (r, rows) in enumerate(zip(reqs, rows_per_req)):
+            for j, sel in enumerate(rows):
+                for c, p in enumerate(sel):
+                    got = self.pool.kv_buffer[layer][int(out[i * N + j, c]), 0]
+                    want = (true_row(r.uid, layer, p) if p < r.seq_len
+                            else self.window_kv(r, layer, p - r.seq_len, self._accepts[r.uid]))
+                    assert torch.equal(got, want), f"req {r.uid} layer {layer} row {j} pos {p} (L={r.seq_len})"
+                assert out[i * N + j, len(sel):].eq(-1).all()
+
+    def commit(self, reqs: list) -> None:
+        """The accepted tokens of the last verify step become committed."""
+        for r in reqs:
+            r.seq_len += self._accepts[r.uid]
 
     # --- leaving -----------------------------------------------------------------------------
     def release(self, req: Request, *, retract: bool = False) -> None:

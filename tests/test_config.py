@@ -50,7 +50,17 @@ def test_all_keys_round_trip():
         "replacement": "reuse",
     }
     cfg = parse_hisparse_config(json.dumps(raw))
-    assert cfg.to_json_dict() == raw
+    assert cfg.to_json_dict() == {**raw, "query_rows": 1}  # query_rows: derived, not a key
+
+
+def test_query_rows_comes_from_the_server_not_from_the_config():
+    with pytest.raises(HiSparseConfigError, match="unknown key\\(s\\) query_rows"):
+        parse_hisparse_config('{"query_rows": 4}')
+    cfg = parse_hisparse_config(None, model_index_topk=64, query_rows=3)
+    assert (cfg.query_rows, cfg.device_buffer_size) == (3, 4 * 64)
+    parse_hisparse_config('{"device_buffer_size": 192}', model_index_topk=64, query_rows=3)
+    with pytest.raises(HiSparseConfigError, match="must be in \\[3 x top_k=192"):
+        parse_hisparse_config('{"device_buffer_size": 191}', model_index_topk=64, query_rows=3)
 
 
 def test_replacement_defaults_to_lru():

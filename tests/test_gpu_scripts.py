@@ -233,3 +233,19 @@ def test_exactness_models_match_the_workload_constants():
         assert config["index_topk"] == e2e.TOP_K and config["vocab_size"] == e2e.VOCAB, model
     args = e2e.build_parser().parse_args(["exactness", "--model", "ds32-width-indexshare", "--out", "x.json"])
     assert args.model == "ds32-width-indexshare"
+
+
+def test_speculative_exactness_runs_linear_mtp_without_the_overlap_scheduler():
+    import e2e
+
+    assert e2e.spec_flags(0) == []
+    flags = e2e.spec_flags(3)
+    assert flags[flags.index("--speculative-num-steps") + 1] == "3"
+    assert flags[flags.index("--speculative-num-draft-tokens") + 1] == "4"
+    assert flags[flags.index("--speculative-eagle-topk") + 1] == "1"
+    args = e2e.build_parser().parse_args(["exactness", "--model", "tiny-dsa-mtp", "--spec-steps", "3", "--out", "x.json"])
+    with pytest.raises(SystemExit, match="--spec-steps needs --no-overlap"):
+        e2e.exactness(args)
+    outputs = {"a": {"meta_info": {"spec_accept_length": 1.5}}, "b": {"meta_info": {"spec_accept_length": 2.5}},
+               "c": RuntimeError("aborted")}
+    assert e2e.accept_length(outputs) == 2.0

@@ -44,7 +44,6 @@ def test_a_supported_server_passes():
         (dict(dsa_decode_backend="tilelang"), "invalid --dsa-decode-backend=tilelang"),
         (dict(kv_cache_dtype="fp8_e4m3"), "invalid --dsa-prefill-backend=flashmla_sparse"),
         (dict(enable_mixed_chunk=True), "--enable-mixed-chunk is not supported"),
-        (dict(speculative_algorithm="EAGLE"), "--speculative-algorithm=EAGLE"),
         (dict(pp_size=2), "--pp-size=2"),
     ],
 )
@@ -53,6 +52,35 @@ def test_unsupported_settings_are_refused(change, fragment):
         check_server_settings(dataclasses.replace(GOOD, **change))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
+
+
+LINEAR_EAGLE = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                    disable_overlap_schedule=True)
+
+
+def test_linear_speculation_without_the_overlap_scheduler_passes():
+    check_server_settings(dataclasses.replace(GOOD, **LINEAR_EAGLE))
+    check_server_settings(dataclasses.replace(GOOD, **dict(LINEAR_EAGLE, speculative_algorithm="NEXTN")))
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm=NGRAM is not supported by sglang-hisparse "
+                                              "(allowed: EAGLE or NEXTN with --speculative-eagle-topk 1)"),
+        (dict(speculative_algorithm="EAGLE3"), "--speculative-algorithm=EAGLE3 is not supported"),
+        (dict(speculative_eagle_topk=4), "--speculative-eagle-topk=4 is not supported by sglang-hisparse "
+                                         "(linear speculation only: --speculative-eagle-topk 1)"),
+        (dict(speculative_adaptive=True), "--speculative-adaptive is not supported"),
+        (dict(enable_multi_layer_eagle=True), "--enable-multi-layer-eagle is not supported"),
+        (dict(disable_overlap_schedule=False), "needs --disable-overlap-schedule"),
+        (dict(disaggregation_mode="decode"), "with --disaggregation-mode=decode is not supported"),
+    ],
+)
+def test_speculation_beyond_linear_is_refused_in_one_line(change, fragment):
+    with pytest.raises(HiSparseConfigError) as info:
+        check_server_settings(dataclasses.replace(GOOD, **dict(LINEAR_EAGLE, **change)))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +132,8 @@ def _launcher_view(config: str, **overrides):
         dsa_prefill_backend="flashmla_sparse", dsa_decode_backend="flashmla_sparse", enable_mixed_chunk=False,
         speculative_algorithm=None, pp_size=1, device="cuda", base_gpu_id=0, dcp_size=1, attn_cp_size=1,
         enable_prefill_cp=False, disaggregation_mode="null", enable_unified_memory=False,
+        speculative_eagle_topk=None, speculative_num_draft_tokens=None, speculative_adaptive=False,
+        enable_multi_layer_eagle=False, disable_overlap_schedule=False,
         get_model_config=lambda: model,
     )
     values.update(overrides)
@@ -131,3 +161,42 @@ def test_the_launcher_refuses_what_the_gpu_cannot_run(monkeypatch, platform, con
         validation.validate_hisparse(_launcher_view(config))
     assert fragment in str(info.value) and "\n" not in str(info.value)
     validation.validate_hisparse(_launcher_view('{"resolver": "reference", "device_buffer_size": 20000}'))
+
+
+SPEC_ARGS = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                 disable_overlap_schedule=True)
+ONE_DRAFT = dict(SPEC_ARGS, speculative_num_draft_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "config, spec, fragment",
+    [
+        ('{"device_buffer_size": 6144}', SPEC_ARGS, "invalid device_buffer_size=6144: must be in [4 x top_k=8192: "
+                                                    "a verify step of 4 tokens per request, 32767]"),
+        ("{}", SPEC_ARGS, "union of 4 x top_k=8192 positions, which the fused kernel's shared memory (227 KiB per "
+                          "block) does not hold for any device_buffer_size: use --speculative-num-steps 1 or fewer"),
+        ('{"device_buffer_size": 9200}', ONE_DRAFT, "slots for a verify union of 2 x top_k=4096 positions; "
+                                                    "allowed: [4096, 9108]"),
+        ('{"residency": true}', ONE_DRAFT, "residency=true is not supported with speculative decoding"),
+    ],
+)
+def test_the_launcher_sizes_hot_buffers_for_the_verify_window(monkeypatch, config, spec, fragment):
+    """With linear speculation (N query rows) the hot buffer must hold N x top_k positions; the
+    kernel's limit is that of the verify union (none at all for N = 4, top_k 2048); residency is
+    refused."""
+    from sglang_hisparse.patches import validation
+    from sglang_hisparse.resolver.dispatch import Platform
+
+    monkeypatch.setattr(validation, "platform_of", lambda device: Platform("cuda", False, (9, 0)))
+    with pytest.raises(HiSparseConfigError) as info:
+        validation.validate_hisparse(_launcher_view(config, **spec))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    validation.validate_hisparse(_launcher_view("{}", **ONE_DRAFT))  # B = 3 x 2048 fits
+
+
+def test_the_default_hot_buffer_with_speculation_is_n_plus_one_times_top_k():
+    from sglang_hisparse.config import config_from_server_args
+
+    assert config_from_server_args(_launcher_view("{}")).device_buffer_size == 2 * 2048
+    config = config_from_server_args(_launcher_view("{}", **SPEC_ARGS))
+    assert (config.query_rows, config.device_buffer_size) == (4, 5 * 2048)

@@ -15,7 +15,7 @@ from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.resolver.batched import resolve_batched
 from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference
-from sglang_hisparse.resolver.verify import _union_rows, resolve_verify
+from sglang_hisparse.resolver.verify import VerifyStep, _union_rows, resolve_verify
 
 ROW = 4  # elements per KV row (float32)
 
@@ -42,11 +42,11 @@ def _plan(n: int, width: int) -> MissPlan:
                     torch.full((n,), -5, dtype=torch.int32))
 
 
-def test_one_query_row_is_the_one_row_resolver_for_long_requests():
+def test_one_query_row_is_the_one_row_resolver():
     rng = random.Random(3)
-    for _ in range(20):
+    for _ in range(30):
         B, k, R = 16, 6, 5
-        lens = [rng.randrange(B, 60) for _ in range(R)]
+        lens = [rng.choice([rng.randrange(1, B + 1), rng.randrange(B, 60)]) for _ in range(R)]
         state = _state(rng, R=R, B=B, N=1, lens=lens, ctx=80)
         rows = verify_rows(rng, state["slot_tokens"], lens, 1, k)
         a, b = _clone(state), _clone(state)
@@ -75,9 +75,53 @@ def test_rows_selecting_one_position_share_one_copy_and_window_rows_are_the_veri
                    out=out, num_real_reqs=1, device_buffer_size=B, query_rows=N, counters=counters, plan=plan, **state)
     assert counters.tolist() == [4, 3] and int(plan.counts[0]) == 3  # 9, 10 and 11 copied once each
     assert out[0, 0] == out[1, 0]  # position 9 in both rows: one device row
-    assert int(out[1, 2]) == int(state["hot_locs"][0, B])  # window token 0 -> slot B
+    assert int(out[1, 2]) == int(state["hot_locs"][0, B])  # window token 0 (position L >= B) -> slot B
     assert int(out[0, 2]) == int(state["hot_locs"][0, int((state["slot_tokens"][0] == 3).nonzero())])
     assert torch.equal(state["device_kv"][out[1, 1].long()], state["host_kv"][state["host_locs"][0, 11]])
+
+
+def test_a_window_straddling_b_keeps_positions_below_b_in_their_own_slots():
+    B, k, N, L = 8, 3, 3, 6  # window positions 6, 7 (slots 6, 7) and 8 (slot B + 2)
+    state = _state(random.Random(2), R=1, B=B, N=N, lens=[L], ctx=20)
+    rows = torch.tensor([[6, 1, -1], [7, 6, 2], [8, 7, 6]], dtype=torch.int32)
+    out = torch.full((N, k), -9, dtype=torch.int32)
+    before = _clone(state)
+    resolve_verify(resolve_reference, top_k_positions=rows, seq_lens=torch.tensor([L]), req_pool_indices=torch.tensor([0]),
+                   out=out, num_real_reqs=1, device_buffer_size=B, query_rows=N, **state)
+    hot = state["hot_locs"][0]
+    expect = [[hot[6], hot[1], -1], [hot[7], hot[6], hot[2]], [hot[B + 2], hot[7], hot[6]]]
+    assert out.tolist() == [[int(x) for x in row] for row in expect]
+    for key in state:  # the fast path: no table, LRU or KV change
+        assert torch.equal(state[key], before[key]), key
+
+
+def test_the_server_form_equals_the_checked_form():
+    rng = random.Random(5)
+    for _ in range(15):
+        N, k = rng.choice([2, 3, 4]), 4
+        B, R = N * k + 4, 5
+        n = rng.randint(1, R)
+        lens = [rng.choice([rng.randrange(1, B), rng.randrange(B, 4 * B)]) for _ in range(R)]
+        state = _state(rng, R=R, B=B, N=N, lens=lens, ctx=4 * B + 10)
+        order = torch.randperm(R)[:n]
+        rows = verify_rows(rng, state["slot_tokens"][order], [lens[i] for i in order], N, k)
+        seq = torch.tensor([lens[i] for i in order])
+        a, b = _clone(state), _clone(state)
+        out_a = torch.full((n * N, k), -9, dtype=torch.int32)
+        resolve_verify(resolve_reference, top_k_positions=rows, seq_lens=seq, req_pool_indices=order, out=out_a,
+                       num_real_reqs=n, device_buffer_size=B, query_rows=N, **a)
+        hot_locs = b.pop("hot_locs")
+        step = VerifyStep(max_reqs=R, top_k=k, query_rows=N, device_buffer_size=B, hot_locs=hot_locs,
+                          device=torch.device("cpu"))
+
+        def union_resolver(union, union_lens, idx, union_out):
+            resolve_reference(top_k_positions=union, seq_lens=union_lens, req_pool_indices=idx, hot_locs=hot_locs,
+                              out=union_out, num_real_reqs=n, device_buffer_size=B, **b)
+
+        out_b = step.resolve(union_resolver, rows, seq, order)
+        assert torch.equal(out_a, out_b)
+        for key in b:
+            assert torch.equal(a[key], b[key]), key
 
 
 @pytest.mark.parametrize("policy", ["lru", "reuse"])

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
 VOCAB = 32768
-EXACTNESS_MODELS = ["tiny-dsa", "tiny-dsa-indexshare", "ds32-width", "ds32-width-indexshare"]
+EXACTNESS_MODELS = ["tiny-dsa", "tiny-dsa-indexshare", "ds32-width", "ds32-width-indexshare", "tiny-dsa-mtp"]
 """Models the exactness workloads run on: index_topk = TOP_K and vocab_size = VOCAB (tested)."""
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs"))  # packed by scripts/gpu/run.sh
 TOP_K = 2048  # the tiny model's index_topk
@@ -79,6 +79,15 @@ def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | 
     else:
         args += ["--disable-cuda-graph"]
     return args
+
+
+def spec_flags(steps: int) -> list[str]:
+    """Linear MTP speculation with ``steps`` draft tokens per step (NEXTN, top-k 1; the verify
+    window is steps + 1 tokens); no flags for 0."""
+    if steps <= 0:
+        return []
+    return ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(steps), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(steps + 1)]
 
 
 ENV = {"SGLANG_DSA_FUSE_TOPK": "0", "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}
@@ -231,7 +240,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix, overlap=not args.no_overlap,
                     wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model,
-                    kv_dtype=args.kv_dtype)
+                    kv_dtype=args.kv_dtype, more_flags=tuple(spec_flags(args.spec_steps)))
     tag = f"{impl} B={buffer} graph={graph_mode} {workload} {args.kv_dtype}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -258,12 +267,22 @@ def parse_config(text: str, default_workload: str) -> tuple[str, int, str, str]:
     return parts[0], int(parts[1]), parts[2], workload
 
 
+def accept_length(outputs: dict) -> float | None:
+    """Mean of the sequences' ``spec_accept_length`` (tokens per verify step; None when absent)."""
+    values = [v["meta_info"].get("spec_accept_length") for v in outputs.values()
+              if isinstance(v, dict) and "meta_info" in v]
+    values = [float(x) for x in values if x is not None]
+    return round(sum(values) / len(values), 4) if values else None
+
+
 def exactness(args) -> dict:
     """Configs ``impl:B:graph[:workload]`` (e.g. ours:4096:1, ours:2048:F24:arrival,
     upstream:4096:0:lockstep); one baseline run per (graph mode, workload), then each config
     compared with it. Stops starting servers when the budget would be exceeded and writes the rows
     it has after every config."""
     t0 = time.time()
+    if args.spec_steps and not args.no_overlap:
+        raise SystemExit("--spec-steps needs --no-overlap (sglang-hisparse refuses speculation with the overlap scheduler)")
     default_workload = "lockstep" if args.lockstep else "arrival"
     configs = [parse_config(c, default_workload) for c in args.configs.split(",")]
     rows, baselines, traces = [], {}, {}
@@ -280,7 +299,9 @@ def exactness(args) -> dict:
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
             row = {**head, "lockstep": workload == "lockstep", "model": args.model, "kv_dtype": args.kv_dtype,
-                   "speculative": None, "overlap_schedule": not args.no_overlap,
+                   "speculative": f"NEXTN:{args.spec_steps}" if args.spec_steps else None,
+                   "accept_length": accept_length(outputs) if args.spec_steps else None,
+                   "overlap_schedule": not args.no_overlap,
                    "wait_for_staging": args.wait_for_staging and impl in OURS, "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
@@ -434,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache dtype of every server (the baseline too); fp8_e4m3 runs FlashMLA KV")
     e.add_argument("--no-overlap", action="store_true",
                    help="every server (the baseline too) with --disable-overlap-schedule")
+    e.add_argument("--spec-steps", type=int, default=0,
+                   help="every server (the baseline too) with linear MTP speculation of this many draft tokens "
+                        "(NEXTN, --speculative-eagle-topk 1; needs --model tiny-dsa-mtp and --no-overlap)")
     e.add_argument("--wait-for-staging", action="store_true",
                    help='ours with "wait_for_staging": true (prefilled requests join decode in the same step '
                         "as without HiSparse; with --no-overlap the decode batches are the baseline's)")

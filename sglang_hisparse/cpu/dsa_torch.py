@@ -13,7 +13,8 @@ readable statement of what the GPU path computes:
   Keys are stored per logical id, for the whole logical space.
 * Sparse MLA attention: each query attends, with the usual absorbed-MLA math, to the latent
   rows of its selected positions only. For decode with HiSparse, the rows come from the
-  coordinator's resolver (``swap_in_selected_pages``); without HiSparse, from ``req_to_token``.
+  coordinator's resolver (``swap_in_selected_pages``; for a speculative verify batch,
+  ``resolve_verify``); without HiSparse, from ``req_to_token``.
 
 The results are the same whether or not HiSparse runs, as long as the resolver returns the right
 rows: that is what the CPU end-to-end test checks.
@@ -186,8 +187,14 @@ class TorchDSABackend(AttentionBackend):
         self._save(layer, forward_batch, k, v, save_kv_cache)
         heads = layer.tp_q_head_num
         q = q.reshape(-1, heads, layer.qk_head_dim)
-        out = torch.empty((q.shape[0], heads, layer.v_head_dim), dtype=torch.float32)
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if self.hisparse_coordinator is not None and forward_batch.forward_mode.is_target_verify():
+            rows = self.hisparse_coordinator.resolve_verify(
+                forward_batch.req_pool_indices, forward_batch.seq_lens, topk_indices, layer.layer_id
+            ).long()
+            out = self._attend(q, rows[: q.shape[0]], kv, layer)
+            return out.to(q.dtype).reshape(-1, heads * layer.v_head_dim)
+        out = torch.empty((q.shape[0], heads, layer.v_head_dim), dtype=torch.float32)
         for req_row, (first, count, prefix, seq_len) in enumerate(_request_layout(forward_batch, q.shape[0])):
             req = int(forward_batch.req_pool_indices[req_row])
             for c0 in range(first, first + count, _QUERY_CHUNK):

@@ -117,12 +117,14 @@ class Resolver:
         self._replay = replay
         self._bind = bind
 
-    def bind(self, **static: Any):
+    def bind(self, width: Optional[int] = None, **static: Any):
         """One layer's resolver: the unchanging keywords (tables, KV buffers, counters, plan,
         residency tables, the reuse policy's ``slot_history`` / ``reuse_levels``, ``num_real_reqs``
         tensor, B) checked once and forwarded unfiltered to the implementation; returns
-        ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``. Call after :meth:`warmup`."""
-        return self._bind(**static)
+        ``resolve(top_k_positions, seq_lens, req_pool_indices, out)``. ``width``: positions per
+        row (default: the server's top_k; a verify union's ``N x top_k``). Call after
+        :meth:`warmup` for that width."""
+        return self._bind(width=width, **static)
 
     def replay(self, *, plan, num_real_reqs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor) -> None:
         """Copy-only replay of a miss plan onto another layer's KV (``reference.replay_plan_reference``)."""
@@ -135,7 +137,8 @@ class Resolver:
 def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k: int) -> Resolver:
     """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`.
 
-    For the kernel, allocates its workspace once (fixed addresses for CUDA graphs), binds layers
+    For the kernel, allocates its workspace once (fixed addresses for CUDA graphs; sized for rows
+    of ``config.query_rows x top_k`` positions, the verify union's width), binds layers
     with the configured block size (``resolver.cuda.bind_resolve_cuda``) and replays plans with
     ``replay_plan_cuda``; ``warmup`` JIT-builds the variants the server needs. For the reference,
     ``reference.resolve_reference`` and ``replay_plan_reference``.
@@ -148,7 +151,7 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
-        workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k)
+        workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k * config.query_rows)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
             cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size,
@@ -156,14 +159,14 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
 
         replay = functools.partial(cuda_resolver.replay_plan_cuda, workspace=workspace)
 
-        def bind(**static: Any):
+        def bind(width: Optional[int] = None, **static: Any):
             return cuda_resolver.bind_resolve_cuda(workspace=workspace, block_size=config.swap_in_block_size,
-                                                   top_k=top_k, **static)
+                                                   top_k=width or top_k, **static)
 
     return Resolver(impl, warmup, replay, bind)
 
 
-def _bind_reference(**static: Any):
+def _bind_reference(width: Optional[int] = None, **static: Any):
     def resolve(top_k_positions, seq_lens, req_pool_indices, out) -> None:
         resolve_reference(top_k_positions=top_k_positions, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
                           out=out, **static)

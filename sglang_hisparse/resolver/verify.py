@@ -8,8 +8,9 @@ request ``i``. This module defines their semantics on top of the one-row resolve
 definition serves every implementation:
 
 * ``seq_lens[i]`` = L, the request's committed length (SGLang's ``batch.seq_lens`` in a verify
-  step). Token j of the window sits at position ``L + j`` in hot-buffer slot ``B + j``
-  (``hot_locs`` has >= B + N columns); row j may select window positions ``L .. L + j``
+  step). Token j of the window sits at position ``p = L + j``, in hot-buffer slot ``p`` while
+  ``p < B`` and in window slot ``B + j`` otherwise (``hot_locs`` has >= B + N columns; the hot
+  buffers' window rule, ``hot_buffers.py``); row j may select window positions ``L .. L + j``
   (causality) and resolves them to those slots, with no IO and no table change.
 * The other selected positions (``0 <= p < L``) of the N rows form one **union** per request, in
   first-occurrence order (row 0's top-k order, then the new positions of row 1, ...). The union
@@ -21,9 +22,12 @@ definition serves every implementation:
 * Each row's output is then read from the union's: ``out[i * N + j, c]`` is the device row of
   ``top_k_positions[i * N + j, c]`` (-1 for padding).
 
-With N = 1 and a long request (``L >= B``) this is the one-row resolver with ``seq_len = L + 1``
-bit for bit (its newest position L is the window's slot B). For a short request the window
-slots differ from the one-row fast path, where the newest position sits in slot L.
+With N = 1 this is the one-row resolver with ``seq_len = L + 1`` bit for bit (its newest position
+L sits in slot L on the fast path and in slot B otherwise, as the window's).
+
+:func:`resolve_verify` checks the preconditions and resolves the real rows (tests, any one-row
+resolver); :class:`VerifyStep` is the server's form: fixed shapes and preallocated buffers, no
+host reads (the one-row resolver reads ``num_real_reqs`` on the device), no checks.
 
 Preconditions (checked, ValueError): ``hot_locs`` has >= B + N columns; row j selects only
 positions ``< L + j + 1``; positions within a row are distinct. The union must fit the buffer
@@ -67,24 +71,69 @@ def resolve_verify(
     k = rows.shape[1]
     if hot_locs.shape[1] < B + N:
         raise ValueError(f"hot_locs needs >= B + N = {B + N} columns for {N} query rows, has {hot_locs.shape[1]}")
-    L = seq_lens[:n].long().to(rows.device)
-    per_req = rows.view(n, N, k)
-    _check_causal(per_req, L)
+    _check_causal(rows.view(n, N, k), seq_lens[:n].long().to(rows.device))
 
+    def resolve_union(union: torch.Tensor, union_lens: torch.Tensor, union_out: torch.Tensor) -> None:
+        resolve_one_row(top_k_positions=union, seq_lens=union_lens, req_pool_indices=req_pool_indices[:n],
+                        hot_locs=hot_locs, out=union_out, num_real_reqs=n, device_buffer_size=B, **tables)
+
+    union_out = torch.empty((n, N * k), dtype=out.dtype, device=out.device)
+    out[: n * N].copy_(_resolve_rows(resolve_union, top_k_positions[: n * N], seq_lens[:n], req_pool_indices[:n],
+                                     hot_locs, B, N, union_out))
+
+
+class VerifyStep:
+    """The server's verify-step resolution of one batch shape family: the union and output
+    buffers (fixed addresses, ``max_reqs`` requests of N rows of ``top_k``), no host reads.
+
+    ``resolve(resolve_union, top_k_positions, seq_lens, req_pool_indices)`` resolves all
+    ``len(req_pool_indices)`` requests' rows; ``resolve_union(union, seq_lens, req_pool_indices,
+    out)`` is the layer's one-row resolver bound for width ``N * top_k``, which skips the padding
+    requests (``num_real_reqs`` on the device). Rows of padding requests in the result are
+    garbage; nothing reads them.
+    """
+
+    def __init__(self, *, max_reqs: int, top_k: int, query_rows: int, device_buffer_size: int,
+                 hot_locs: torch.Tensor, device: torch.device):
+        self.query_rows, self.buffer_size, self.hot_locs = query_rows, device_buffer_size, hot_locs
+        self.union_out = torch.full((max_reqs, query_rows * top_k), -1, dtype=torch.int32, device=device)
+        self.out = torch.full((max_reqs * query_rows, top_k), -1, dtype=torch.int32, device=device)
+
+    def resolve(self, resolve_union: Callable[..., None], top_k_positions: torch.Tensor, seq_lens: torch.Tensor,
+                req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Device rows (int32 [num_reqs * N, top_k]) of the batch's verify rows. Side effects:
+        ``resolve_union``'s (tables, copies, counters), this object's buffers."""
+        n, N = req_pool_indices.shape[0], self.query_rows
+
+        def bound(union: torch.Tensor, union_lens: torch.Tensor, union_out: torch.Tensor) -> None:
+            resolve_union(union, union_lens, req_pool_indices, union_out)
+
+        out = self.out[: n * N]
+        out.copy_(_resolve_rows(bound, top_k_positions[: n * N], seq_lens[:n], req_pool_indices, self.hot_locs,
+                                self.buffer_size, N, self.union_out[:n]))
+        return out
+
+
+def _resolve_rows(resolve_union: Callable[..., None], top_k_positions: torch.Tensor, seq_lens: torch.Tensor,
+                  req_pool_indices: torch.Tensor, hot_locs: torch.Tensor, B: int, N: int,
+                  union_out: torch.Tensor) -> torch.Tensor:
+    """The rows of ``n = len(seq_lens)`` requests (module docstring), fixed shapes, no host reads:
+    ``resolve_union(union int32 [n, N * k], seq_lens + 1, union_out)`` resolves the unions into
+    ``union_out``. Returns int32 [n * N, k] on ``union_out``'s device."""
+    rows = top_k_positions.long()
+    n, k = seq_lens.shape[0], rows.shape[1]
+    L = seq_lens.long().to(rows.device)
+    per_req = rows.view(n, N, k)
     window = per_req >= L[:, None, None]
     union = _union_rows(torch.where(window, -1, per_req).view(n, N * k))
-    union_out = torch.empty((n, N * k), dtype=out.dtype, device=out.device)
-    resolve_one_row(top_k_positions=union.to(torch.int32), seq_lens=(L + 1).to(seq_lens.dtype),
-                    req_pool_indices=req_pool_indices[:n], hot_locs=hot_locs, out=union_out, num_real_reqs=n,
-                    device_buffer_size=B, **tables)
+    resolve_union(union.to(torch.int32), (L + 1).to(seq_lens.dtype), union_out)
 
-    r = req_pool_indices[:n].long().to(hot_locs.device)
-    window_rows = hot_locs[r][:, B : B + N].long().to(rows.device)  # [n, N]
-    slot = (per_req - L[:, None, None]).clamp(0, N - 1).view(n, N * k)
-    from_window = window_rows.gather(1, slot).view(n, N, k)
+    r = req_pool_indices.long().to(hot_locs.device)
+    slot = torch.where(per_req < B, per_req, B + per_req - L[:, None, None]).clamp(0, hot_locs.shape[1] - 1)
+    from_window = hot_locs[r[:, None, None], slot.to(hot_locs.device)].long().to(rows.device)
     from_union = _lookup(union, union_out.long().to(rows.device), per_req.view(n, N * k)).view(n, N, k)
     result = torch.where(window, from_window, from_union)
-    out[: n * N].copy_(torch.where(per_req >= 0, result, -1).view(n * N, k).to(out.dtype))
+    return torch.where(per_req >= 0, result, -1).view(n * N, k).to(union_out.dtype)
 
 
 def _check_causal(per_req: torch.Tensor, L: torch.Tensor) -> None:
