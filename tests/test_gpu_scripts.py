@@ -249,3 +249,8 @@ def test_speculative_exactness_runs_linear_mtp_without_the_overlap_scheduler():
     outputs = {"a": {"meta_info": {"spec_accept_length": 1.5}}, "b": {"meta_info": {"spec_accept_length": 2.5}},
                "c": RuntimeError("aborted")}
     assert e2e.accept_length(outputs) == 2.0
+    import sweep
+
+    assert sweep.spec_server_flags(0) == ()
+    assert sweep.spec_server_flags(2)[-1] == "--disable-overlap-schedule"
+    assert sweep.build_parser().parse_args(["--spec-steps", "1", "--out", "x"]).spec_steps == 1

@@ -11,11 +11,11 @@ import pytest
 from sglang_hisparse.testing.server import MODELS_DIR
 
 
-@pytest.mark.parametrize("base", ["tiny-dsa", "tiny-dsa-cpu"])
+@pytest.mark.parametrize("base", ["tiny-dsa", "tiny-dsa-cpu", "ds32-width"])
 def test_mtp_variant_is_its_base_with_one_nextn_layer(base):
     config = json.loads((MODELS_DIR / base / "config.json").read_text())
     mtp = json.loads((MODELS_DIR / f"{base}-mtp" / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == 0 and mtp["num_nextn_predict_layers"] == 1
+    assert config.get("num_nextn_predict_layers", 0) == 0 and mtp["num_nextn_predict_layers"] == 1
     assert {k: v for k, v in mtp.items() if k != "num_nextn_predict_layers"} == \
         {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
 

@@ -60,12 +60,15 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
     reports = len(server.idle_reports())
     before = scrape_metrics(server) if ours else {}
     log_start = len(server.log())
-    server.generate(batch, new_tokens)
+    results = server.generate(batch, new_tokens)
     if ours:
         wait_for_idle_report(server, after=reports)  # publishes exact totals
     else:
         time.sleep(1.0)  # the last step's log line
     run = decode_stats(parse_batches(server.log()[log_start:]))
+    accept = e2e.accept_length(dict(enumerate(results)))
+    if accept is not None:
+        run["accept_length"] = accept
     if ours:
         after = scrape_metrics(server)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -81,7 +84,9 @@ def summarize(impl: str, locality: str, concurrency: int, runs: list[dict], kv_d
     rates = [r["decode_tok_s"] for r in runs]
     misses = [r["miss_rate"] for r in runs if r.get("miss_rate") is not None]
     io = [r["io_gb_s"] for r in runs if "io_gb_s" in r]
+    accepts = [r["accept_length"] for r in runs if "accept_length" in r]
     return {"impl": impl, "locality": locality, "kv_dtype": kv_dtype,
+            **({"accept_length": statistics.median(accepts)} if accepts else {}),
             "miss_rate": statistics.median(misses) if misses else None,
             "concurrency": concurrency, "held": max(r["max_running"] for r in runs), "repeats": len(runs),
             "decode_tok_s": statistics.median(rates), "decode_tok_s_spread": [min(rates), max(rates)],
@@ -99,10 +104,17 @@ def layer_timing(server: Server, args, layers: int) -> list[dict]:
     return rows
 
 
+def spec_server_flags(steps: int) -> tuple[str, ...]:
+    """Every server of a speculative sweep: linear MTP (e2e.spec_flags) without the overlap
+    scheduler (sglang-hisparse refuses speculation with it; the others run the same way)."""
+    return (*e2e.spec_flags(steps), "--disable-overlap-schedule") if steps else ()
+
+
 def sweep(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     layers = layer_count(args.model)
     result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
+                    "speculative": f"NEXTN:{args.spec_steps}" if args.spec_steps else None,
                     "context": args.context, "new_tokens": args.new_tokens,
                     "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
                     "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "skipped": []}
@@ -125,7 +137,8 @@ def sweep(args) -> dict:
             server = e2e.launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True,
                                 max_total_tokens=args.max_total_tokens, max_running=max(levels) + 1,
                                 log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}_{args.kv_dtype}", model=args.model,
-                                more_flags=("--enable-metrics",), kv_dtype=args.kv_dtype)
+                                more_flags=("--enable-metrics", *spec_server_flags(args.spec_steps)),
+                                kv_dtype=args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed to start: {repr(e)[-1500:]}")
             save()
@@ -162,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="impl:locality,... (impl: none, upstream, ours, ours_noio, ours_resident, ours_noprefetch, ours_reuse; locality: a preset or a strength)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(e2e.KV_DTYPES),
                    help="KV cache dtype of every server; fp8_e4m3 (656-byte rows) runs FlashMLA KV")
+    p.add_argument("--spec-steps", type=int, default=0,
+                   help="linear MTP speculation with this many draft tokens on every server (needs a model with an "
+                        "MTP layer, e.g. ds32-width-mtp; runs without the overlap scheduler)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--new-tokens", type=int, default=256)
