@@ -47,6 +47,11 @@ FRAGMENTS = [
     ("gpu_run33/fp8_lockstep.json", None),
     ("gpu_run34/fp8_lockstep_up.json", None),
     ("gpu_run36/is_ds32.json", None),  # IndexShare prefetch on the representative-width variant
+    # ninth session: speculative decoding (MTP, one draft step) and FP8 with graphs and aborts
+    ("gpu_run37/spec_exact.json", None),  # its F18 config was skipped (budget); run in gpu_run38
+    ("gpu_run38/spec_f18.json", None),
+    ("gpu_run39/fp8_f18.json", None),
+    ("gpu_run39/spec_up.json", None),  # SGLang's own HiSparse with MTP: dies at start-up
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -112,6 +117,14 @@ DEVICE_CALLS = {
                  "--out $OUT/fp8_lockstep_up.json   (HISPARSE_PACK_JIT=0; same machine as gpu_run33, still warm)",
     "gpu_run36": "bash scripts/gpu/run.sh e2e exactness --model ds32-width-indexshare --configs ours:4096:F18 "
                  "--budget-s 540 --out $OUT/is_ds32.json   (HISPARSE_PACK_JIT=0)",
+    "gpu_run37": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-mtp --spec-steps 1 --no-overlap "
+                 "--wait-for-staging --configs ours:6144:0:lockstep,ours:6144:F18:arrival --budget-s 545 "
+                 "--out $OUT/spec_exact.json   (HISPARSE_PACK_JIT=0)",
+    "gpu_run38": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-mtp --spec-steps 1 --no-overlap "
+                 "--wait-for-staging --configs ours:6144:F18:arrival --budget-s 560 --out $OUT/spec_f18.json",
+    "gpu_run39": "bash scripts/gpu/run.sh e2e exactness --kv-dtype fp8_e4m3 --no-overlap --wait-for-staging --configs "
+                 "ours:4096:F18:arrival --budget-s 290 --out $OUT/fp8_f18.json + e2e exactness --model tiny-dsa-mtp "
+                 "--spec-steps 1 --no-overlap --configs upstream:6144:F18:arrival --budget-s 230 --out $OUT/spec_up.json",
     "gpu_run21": "bash scripts/gpu/run.sh e2e exactness --configs ours:2048:F18 --budget-s 400 --out "
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:2048:0:lockstep --no-overlap "
                  "--wait-for-staging --budget-s 400 --out $OUT/exact_lockstep_2048.json + e2e throughput --impls ours "
