@@ -169,6 +169,16 @@ def machine() -> str:
             "(lent H200 test machine, 16 vCPU, PCIe Gen5)")
 
 
+def job_words(run: str, fragment: str) -> list[str]:
+    """The words of the job (``+``-separated part of the run's recorded command) that wrote ``fragment``."""
+    name = fragment.split("/")[-1]
+    return next(part.split() for part in DEVICE_CALLS[run].split(" + ") if name in part)
+
+
+def option(words: list[str], flag: str, default: str) -> str:
+    return words[words.index(flag) + 1] if flag in words else default
+
+
 def main() -> int:
     exactness, controls, throughput, commands = [], [], [], []
     for rel, workload in FRAGMENTS:
@@ -177,7 +187,14 @@ def main() -> int:
         if DEVICE_CALLS[run] not in commands:
             commands.append(DEVICE_CALLS[run])
         for row in data.get("exactness", []):
-            if "identical" not in row:  # skipped for time, or failed: listed in the run's JSON, not here
+            if "error" in row:  # a server that failed: recorded (e.g. SGLang's HiSparse with MTP), no comparison
+                job = job_words(run, rel)
+                exactness.append({k: row.get(k) for k in ("impl", "B", "cuda_graph", "graph_bs", "workload")}
+                                 | {"run": run, "model": option(job, "--model", "tiny-dsa"),
+                                    "speculative": f"NEXTN:{option(job, '--spec-steps', '0')}"
+                                    if "--spec-steps" in job else None, "failed": row["error"][:300]})
+                continue
+            if "identical" not in row:  # skipped for time: listed in the run's JSON, not here
                 continue
             keep = {k: row[k] for k in ("impl", "B", "cuda_graph", "sequences", "identical", "first_diff") if k in row}
             keep["graph_bs"] = row.get("graph_bs")  # one fixed decode-graph capture size, or None
@@ -189,6 +206,8 @@ def main() -> int:
             keep["wait_for_staging"] = row.get("wait_for_staging", False)
             keep["kv_dtype"] = row.get("kv_dtype", "bfloat16")
             keep["speculative"] = row.get("speculative")
+            if row.get("accept_length") is not None:
+                keep["accept_length"] = row["accept_length"]  # tokens per verify step, mean over sequences
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]
