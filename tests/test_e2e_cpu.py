@@ -15,13 +15,11 @@ so that they run identical batches; the only difference is where attention's KV 
 from __future__ import annotations
 
 import random
-import threading
 import time
-import uuid
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+from sglang_hisparse.testing.server import abort_two_mid_decode, start_server, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -79,34 +77,8 @@ def test_outputs_identical_to_the_server_without_hisparse(servers, baseline_outp
 def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(servers):
     _, ours = servers
     before = len(ours.idle_reports())
-    rng = random.Random(1)
-    rids = [f"abort-test-{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
-    results: dict[str, object] = {}
-
-    def run(rid: str, length: int) -> None:
-        ids = [rng.randrange(2, 2000) for _ in range(length)]
-        try:
-            results[rid] = ours.generate(ids, 400, rid=rid, timeout=900)
-        except Exception as e:  # aborted requests may end with an error status
-            results[rid] = e
-
-    threads = [threading.Thread(target=run, args=(rid, n)) for rid, n in zip(rids, [100, 700, 1500, 300])]
-    for t in threads:
-        t.start()
-    # wait until the server decodes, then abort two requests (one short, one long)
-    deadline = time.time() + 300
-    while "Decode batch" not in ours.log() and time.time() < deadline:
-        time.sleep(0.5)
-    time.sleep(2)
-    for rid in (rids[0], rids[2]):
-        ours.abort(rid)
-    for t in threads:
-        t.join(timeout=900)
-    finished = [r for r in rids if isinstance(results.get(r), dict)]
-    aborted_reasons = [results[r]["meta_info"]["finish_reason"]["type"] for r in (rids[0], rids[2])
-                       if isinstance(results.get(r), dict)]
-    assert set(aborted_reasons) <= {"abort"}, aborted_reasons
-    assert rids[1] in finished and rids[3] in finished
+    outcome = abort_two_mid_decode(ours, [100, 700, 1500, 300], 400, seed=1)
+    assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
     report = wait_for_idle_report(ours, after=before)
     assert not report["leak"], report
     for name, (now, initial) in report["counts"].items():

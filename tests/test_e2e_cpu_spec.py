@@ -17,13 +17,10 @@ CPU engine, with and without our HiSparse (docs/speculative.md).
 from __future__ import annotations
 
 import random
-import threading
-import time
-import uuid
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+from sglang_hisparse.testing.server import abort_two_mid_decode, start_server, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -88,32 +85,8 @@ def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(tmp_path):
     server = start_server(model=MODEL, hisparse_config=HISPARSE, extra_args=COMMON + NO_OVERLAP + _spec(1),
                           env=ACCEPT_ALL, log_dir=tmp_path, name="spec_abort")
     try:
-        rng = random.Random(1)
-        rids = [f"spec-abort-{i}-{uuid.uuid4().hex[:8]}" for i in range(4)]
-        results: dict[str, object] = {}
-
-        def run(rid: str, length: int) -> None:
-            ids = [rng.randrange(2, 2000) for _ in range(length)]
-            try:
-                results[rid] = server.generate(ids, 300, rid=rid, timeout=900)
-            except Exception as e:  # aborted requests may end with an error status
-                results[rid] = e
-
-        threads = [threading.Thread(target=run, args=(rid, n)) for rid, n in zip(rids, [100, 700, 1500, 300])]
-        for t in threads:
-            t.start()
-        deadline = time.time() + 300
-        while "Decode batch" not in server.log() and time.time() < deadline:
-            time.sleep(0.5)
-        time.sleep(2)
-        for rid in (rids[0], rids[2]):
-            server.abort(rid)
-        for t in threads:
-            t.join(timeout=900)
-        aborted = [results[r]["meta_info"]["finish_reason"]["type"] for r in (rids[0], rids[2])
-                   if isinstance(results.get(r), dict)]
-        assert set(aborted) <= {"abort"}, aborted
-        assert isinstance(results.get(rids[1]), dict) and isinstance(results.get(rids[3]), dict)
+        outcome = abort_two_mid_decode(server, [100, 700, 1500, 300], 300, seed=1)
+        assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
         report = wait_for_idle_report(server, after=0)
     finally:
         server.stop()

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -206,3 +209,36 @@ def scrape_metrics(server: Server, prefix: str = "sglang_hisparse_") -> dict[str
             name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
             series[name] = series.get(name, 0.0) + value
     return series
+
+
+def abort_two_mid_decode(server: Server, lengths: list[int], new_tokens: int, *, seed: int) -> dict:
+    """Send one request per entry of ``lengths`` (random prompts), wait until the server decodes,
+    abort the first and the third (one short, one long when ``lengths`` is so ordered), wait for
+    all of them. Returns ``{"aborted": [...], "finished": [...]}``: the finish-reason types of the
+    aborted requests that returned a result, and whether each other request returned one."""
+    rng = random.Random(seed)
+    rids = [f"abort-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(lengths))]
+    results: dict[str, Any] = {}
+
+    def run(rid: str, length: int) -> None:
+        ids = [rng.randrange(2, 2000) for _ in range(length)]
+        try:
+            results[rid] = server.generate(ids, new_tokens, rid=rid, timeout=900)
+        except Exception as e:  # noqa: BLE001 - aborted requests may end with an error status
+            results[rid] = e
+
+    threads = [threading.Thread(target=run, args=(rid, n)) for rid, n in zip(rids, lengths)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 300
+    while "Decode batch" not in server.log() and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    aborted = (rids[0], rids[2])
+    for rid in aborted:
+        server.abort(rid)
+    for t in threads:
+        t.join(timeout=900)
+    return {"aborted": [results[r]["meta_info"]["finish_reason"]["type"] for r in aborted
+                        if isinstance(results.get(r), dict)],
+            "finished": [isinstance(results.get(r), dict) for r in rids if r not in aborted]}
