@@ -6,14 +6,17 @@ Checked against: SGLang 0.5.17.
 SGLang's plugin loader logs and swallows plugin exceptions, and ``HookRegistry.apply_hooks``
 does the same per target: a broken install would silently serve with SGLang's own HiSparse.
 This hook runs in every scheduler process right after the coordinator is attached and raises
-if HiSparse is enabled and (a) the installed SGLang is not the supported version, or (b) the
-coordinator, the allocator or the device pool is not the class this plugin registered.
+if HiSparse is enabled and (a) the installed SGLang is not the supported version, (b) the
+coordinator, the allocator or the device pool is not the class this plugin registered, or (c) a
+function hook this plugin registered is not what its target runs now (e.g. the speculative step
+start: without it a verify window would read unmapped rows, silently).
 With HiSparse disabled it does nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import pkgutil
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from sglang_hisparse.errors import HiSparsePluginError
 
@@ -34,8 +37,44 @@ def scheduler_objects(scheduler: Any) -> dict[str, Any]:
     }
 
 
+def unapplied(hooks: Sequence[tuple[str, Any]]) -> list[str]:
+    """The targets of ``(target, hook)`` pairs whose current value does not run ``hook`` (a
+    class REPLACE: is not the class; a function hook: no wrapper in its ``__wrapped__`` chain holds
+    it), in order."""
+    missing = []
+    for target, hook in hooks:
+        owner_path, name = target.rsplit(".", 1)
+        try:
+            current = getattr(pkgutil.resolve_name(owner_path), name)
+        except (ImportError, AttributeError, ValueError):
+            missing.append(target)
+            continue
+        if not _runs(current, hook):
+            missing.append(target)
+    return missing
+
+
+def _runs(fn: Any, hook: Any) -> bool:
+    for _ in range(64):  # a chain of wrappers, one per hook on the target
+        fn = getattr(fn, "__func__", fn)  # classmethods and bound methods
+        if fn is hook or any(_cell_holds(cell, hook) for cell in getattr(fn, "__closure__", None) or ()):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
+
+
+def _cell_holds(cell: Any, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
+
+
 def make_hook(
-    expected: Mapping[str, type], version_problem: Optional[str]
+    expected: Mapping[str, type], version_problem: Optional[str],
+    hooks: Sequence[tuple[str, Any]] = (),
 ) -> Callable[..., None]:
     """Build the AFTER hook.
 
@@ -43,6 +82,7 @@ def make_hook(
         expected: role -> the class this plugin registered for it. A role missing here has no
             implementation of ours yet, so HiSparse must not start.
         version_problem: a message when the installed SGLang is unsupported, else None.
+        hooks: every ``(target, hook)`` the plugin registered (read when the hook runs).
     """
 
     def check_hisparse_objects(_result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -62,6 +102,7 @@ def make_hook(
                     f"{role}: expected {cls.__module__}.{cls.__qualname__}, "
                     f"found {type(obj).__module__}.{type(obj).__qualname__}"
                 )
+        problems += [f"hook not applied: {target}" for target in unapplied(hooks)]
         if problems:
             raise HiSparsePluginError(
                 "--enable-hisparse: sglang-hisparse is installed but not in control ("
@@ -74,7 +115,8 @@ def make_hook(
     return check_hisparse_objects
 
 
-def register(registry: Any, expected: Mapping[str, type], version_problem: Optional[str]) -> None:
+def register(registry: Any, expected: Mapping[str, type], version_problem: Optional[str],
+             hooks: Sequence[tuple[str, Any]] = ()) -> None:
     from sglang.srt.plugins.hook_registry import HookType
 
-    registry.register(TARGET, make_hook(expected, version_problem), HookType.AFTER)
+    registry.register(TARGET, make_hook(expected, version_problem, hooks), HookType.AFTER)

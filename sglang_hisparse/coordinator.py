@@ -18,7 +18,8 @@ and, with residency on, :class:`~sglang_hisparse.pressure.ResidentDecode`. With 
 speculative decoding (``config.query_rows`` N > 1) decode steps are verify steps of N tokens per
 request: :meth:`HiSparseCoordinator.begin_verify_step` replaces ``map_last_loc_to_buffer`` and
 :meth:`HiSparseCoordinator.resolve_verify` replaces ``swap_in_selected_pages`` (both called by our
-seams, ``patches/speculative.py``). The allocator (ids,
+seams, ``patches/verify_step.py`` and the verify attention: ``patches/verify_attention.py`` on
+CUDA, the torch backend on CPU). The allocator (ids,
 rows, mapping) and the device pool are SGLang's objects of our classes, passed in. This class
 holds only the per-step buffers SGLang reads or that two components share (``num_real_reqs``,
 ``raw_indices_buffer``, the resolver output).

@@ -45,25 +45,25 @@ class LayerResolve:
             if prefetch.active():
                 self.prefetch = prefetch
                 logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
+        def layer_tables(layer: int) -> dict:
+            """One layer's keywords common to its one-row and verify resolvers."""
+            return dict(hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer], lru=hot.recency[layer],
+                        host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer],
+                        device_kv=device_pool.kv_buffer[layer], num_real_reqs=num_real_reqs,
+                        device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
+                        **self._policy_tables(hot, layer, reuse_levels))
+
         self._layers = [resolver.bind(
-            hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer], lru=hot.recency[layer],
-            host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer], device_kv=device_pool.kv_buffer[layer],
-            num_real_reqs=num_real_reqs, device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
             plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,
-            **self._policy_tables(hot, layer, reuse_levels),
+            **layer_tables(layer),
         ) for layer in range(layers)]
         self._verify: Optional[VerifyStep] = None
         self._verify_layers: list = []
         if query_rows > 1:
             self._verify = VerifyStep(max_reqs=max_reqs, top_k=top_k, query_rows=query_rows,
                                       device_buffer_size=hot.buffer_size, hot_locs=hot.slot_rows, device=device)
-            self._verify_layers = [resolver.bind(
-                width=query_rows * top_k, hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer],
-                lru=hot.recency[layer], host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer],
-                device_kv=device_pool.kv_buffer[layer], num_real_reqs=num_real_reqs,
-                device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
-                **self._policy_tables(hot, layer, reuse_levels),
-            ) for layer in range(layers)]
+            self._verify_layers = [resolver.bind(width=query_rows * top_k, **layer_tables(layer))
+                                   for layer in range(layers)]
 
     @staticmethod
     def _policy_tables(hot, layer: int, reuse_levels: Optional[torch.Tensor]) -> dict:

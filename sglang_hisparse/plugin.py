@@ -83,16 +83,28 @@ def class_seams() -> list[ModuleType]:
     return [device_pool, allocator, coordinator]
 
 
+class _Recording:
+    """A hook registry that remembers each ``(target, hook)`` it passes on (for the self-check)."""
+
+    def __init__(self, registry: Any, hooks: list):
+        self._registry, self._hooks = registry, hooks
+
+    def register(self, target: str, hook: Any, hook_type: Any) -> None:
+        self._hooks.append((target, hook))
+        self._registry.register(target, hook, hook_type)
+
+
 def register(
     registry: Any = None,
     *,
     sglang_version: Optional[str] = None,
     seams: Optional[Sequence[ModuleType]] = None,
-) -> None:
+) -> list:
     """Register our hooks. Arguments exist for tests; SGLang passes none.
 
     Side effects: registrations in ``registry`` (SGLang's ``HookRegistry`` by default); SGLang
-    applies them after every plugin ran.
+    applies them after every plugin ran. Returns the ``(target, hook)`` pairs registered besides
+    the self-check's own (the self-check verifies each is applied).
     """
     from sglang_hisparse.patches import self_check
 
@@ -105,17 +117,20 @@ def register(
     if problem is not None:
         logger.error("%s: only the self-check is registered; --enable-hisparse will refuse to start", problem)
         self_check.register(registry, expected={}, version_problem=problem)
-        return
+        return []
 
-    # Filled as each class seam registers; the hook reads it when it runs.
+    # Filled as each seam registers; the self-check reads them when it runs.
     expected: dict[str, type] = {}
-    self_check.register(registry, expected=expected, version_problem=None)
+    hooks: list = []
+    self_check.register(registry, expected=expected, version_problem=None, hooks=hooks)
+    recording = _Recording(registry, hooks)
     for seam in function_seams():
-        seam.register(registry)
+        seam.register(recording)
     for seam in class_seams() if seams is None else seams:
-        seam.register(registry)
+        seam.register(recording)
         expected[seam.ROLE] = seam.IMPLEMENTATION
     logger.info("sglang-hisparse %s: hooks registered for SGLang %s", _own_version(), version)
+    return hooks
 
 
 def _own_version() -> str:

@@ -246,6 +246,10 @@ def test_speculative_exactness_runs_linear_mtp_without_the_overlap_scheduler():
     args = e2e.build_parser().parse_args(["exactness", "--model", "tiny-dsa-mtp", "--spec-steps", "3", "--out", "x.json"])
     with pytest.raises(SystemExit, match="--spec-steps needs --no-overlap"):
         e2e.exactness(args)
+    args = e2e.build_parser().parse_args(["exactness", "--no-overlap", "--accept-all", "--out", "x.json"])
+    with pytest.raises(SystemExit, match="--accept-all needs --spec-steps"):
+        e2e.exactness(args)
+    assert e2e.accept_all_env(3) == {"SGLANG_SIMULATE_ACC_LEN": "4", "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
     outputs = {"a": {"meta_info": {"spec_accept_length": 1.5}}, "b": {"meta_info": {"spec_accept_length": 2.5}},
                "c": RuntimeError("aborted")}
     assert e2e.accept_length(outputs) == 2.0

@@ -178,6 +178,38 @@ def test_self_check_refuses_upstream_objects(run_fresh_python):
     assert "SGLANG_PLUGINS" in out[1]
 
 
+def test_self_check_refuses_a_function_hook_that_was_not_applied(run_fresh_python):
+    """Every hook the plugin registers runs at its target after SGLang applied them; a target left
+    unhooked (as when SGLang's registry fails to apply one and logs it) is named by the self-check."""
+    result = run_fresh_python(
+        """
+        from types import SimpleNamespace
+        from sglang.srt.plugins.hook_registry import HookRegistry
+        from sglang_hisparse import plugin
+        from sglang_hisparse.errors import HiSparsePluginError
+        from sglang_hisparse.patches import self_check
+        hooks = plugin.register(HookRegistry)
+        from sglang_hisparse.patches import verify_attention  # registered on GPUs only: resolve it here too
+        verify_attention.register(plugin._Recording(HookRegistry, hooks))
+        HookRegistry.apply_hooks()
+        print(len(hooks) >= 15, self_check.unapplied(hooks))
+        import sglang.srt.speculative.eagle_utils as eagle_utils
+        eagle_utils.eagle_prepare_for_decode = eagle_utils.eagle_prepare_for_decode.__wrapped__
+        print(self_check.unapplied(hooks))
+        scheduler = SimpleNamespace(enable_hisparse=True, hisparse_coordinator=None, token_to_kv_pool_allocator=None)
+        try:
+            self_check.make_hook({}, None, hooks)(None, scheduler)
+        except HiSparsePluginError as e:
+            print("refused:", e)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert out[0] == "True []"
+    assert out[1] == "['sglang.srt.speculative.eagle_utils.eagle_prepare_for_decode']"
+    assert "hook not applied: sglang.srt.speculative.eagle_utils.eagle_prepare_for_decode" in out[2]
+
+
 def test_version_guard_registers_only_the_self_check(run_fresh_python):
     result = run_fresh_python(
         with_fake_scheduler(

@@ -81,6 +81,12 @@ def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | 
     return args
 
 
+def accept_all_env(steps: int) -> dict[str, str]:
+    """SGLang's simulated acceptance: every verify step accepts all ``steps`` draft tokens (the
+    draft's own tokens, then the target's bonus token), so every window position is committed."""
+    return {"SGLANG_SIMULATE_ACC_LEN": str(steps + 1), "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
+
+
 def spec_flags(steps: int) -> list[str]:
     """Linear MTP speculation with ``steps`` draft tokens per step (NEXTN, top-k 1; the verify
     window is steps + 1 tokens); no flags for 0."""
@@ -130,10 +136,10 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
 def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens: int, max_running: int,
            log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "",
            overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa",
-           more_flags: tuple[str, ...] = (), kv_dtype: str = "bfloat16") -> Server:
+           more_flags: tuple[str, ...] = (), kv_dtype: str = "bfloat16", more_env: dict | None = None) -> Server:
     """Start one server of ``model`` (a directory under sglang_hisparse/testing/models); its log is
     ``<log_dir>/<server_name(...)>.log``."""
-    env = dict(ENV)
+    env = {**ENV, **(more_env or {})}
     if impl == "upstream":
         env["SGLANG_PLUGINS"] = "hisparse_dummy_init"
     return start_server(
@@ -240,7 +246,8 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix, overlap=not args.no_overlap,
                     wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model,
-                    kv_dtype=args.kv_dtype, more_flags=tuple(spec_flags(args.spec_steps)))
+                    kv_dtype=args.kv_dtype, more_flags=tuple(spec_flags(args.spec_steps)),
+                    more_env=accept_all_env(args.spec_steps) if args.accept_all else None)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload} {args.kv_dtype}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -283,6 +290,8 @@ def exactness(args) -> dict:
     t0 = time.time()
     if args.spec_steps and not args.no_overlap:
         raise SystemExit("--spec-steps needs --no-overlap (sglang-hisparse refuses speculation with the overlap scheduler)")
+    if args.accept_all and not args.spec_steps:
+        raise SystemExit("--accept-all needs --spec-steps")
     default_workload = "lockstep" if args.lockstep else "arrival"
     configs = [parse_config(c, default_workload) for c in args.configs.split(",")]
     rows, baselines, traces = [], {}, {}
@@ -301,6 +310,7 @@ def exactness(args) -> dict:
             row = {**head, "lockstep": workload == "lockstep", "model": args.model, "kv_dtype": args.kv_dtype,
                    "speculative": f"NEXTN:{args.spec_steps}" if args.spec_steps else None,
                    "accept_length": accept_length(outputs) if args.spec_steps else None,
+                   "forced_acceptance": bool(args.accept_all),
                    "overlap_schedule": not args.no_overlap,
                    "wait_for_staging": args.wait_for_staging and impl in OURS, "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
@@ -458,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--spec-steps", type=int, default=0,
                    help="every server (the baseline too) with linear MTP speculation of this many draft tokens "
                         "(NEXTN, --speculative-eagle-topk 1; needs --model tiny-dsa-mtp and --no-overlap)")
+    e.add_argument("--accept-all", action="store_true",
+                   help="with --spec-steps: every server accepts every draft token (SGLang's simulated acceptance "
+                        "with the real draft tokens), so every verify window is committed")
     e.add_argument("--wait-for-staging", action="store_true",
                    help='ours with "wait_for_staging": true (prefilled requests join decode in the same step '
                         "as without HiSparse; with --no-overlap the decode batches are the baseline's)")

@@ -83,8 +83,8 @@ def resolve_verify(
 
 
 class VerifyStep:
-    """The server's verify-step resolution of one batch shape family: the union and output
-    buffers (fixed addresses, ``max_reqs`` requests of N rows of ``top_k``), no host reads.
+    """The server's form of a verify step: preallocated union and output buffers (fixed
+    addresses for CUDA graphs: up to ``max_reqs`` requests of N rows of ``top_k``), no host reads.
 
     ``resolve(resolve_union, top_k_positions, seq_lens, req_pool_indices)`` resolves all
     ``len(req_pool_indices)`` requests' rows; ``resolve_union(union, seq_lens, req_pool_indices,
