@@ -49,8 +49,9 @@ def _serve(tmp_path, name: str, *, hisparse: bool, env=None):
     server = start_server(model=MODEL, hisparse_config=HISPARSE if hisparse else None,
                           extra_args=COMMON + NO_OVERLAP + _spec(1), env=env, log_dir=tmp_path, name=name)
     try:
+        before = len(server.idle_reports())  # the start-up report is already there
         results = server.generate(_prompts(), NEW_TOKENS)
-        report = wait_for_idle_report(server, after=0) if hisparse else None
+        report = wait_for_idle_report(server, after=before) if hisparse else None
     finally:
         server.stop()
     return [r["output_ids"] for r in results], [r["meta_info"] for r in results], report
@@ -85,12 +86,14 @@ def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(tmp_path):
     server = start_server(model=MODEL, hisparse_config=HISPARSE, extra_args=COMMON + NO_OVERLAP + _spec(1),
                           env=ACCEPT_ALL, log_dir=tmp_path, name="spec_abort")
     try:
+        before = len(server.idle_reports())
         outcome = abort_two_mid_decode(server, [100, 700, 1500, 300], 300, seed=1)
         assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
-        report = wait_for_idle_report(server, after=0)
+        report = wait_for_idle_report(server, after=before)
     finally:
         server.stop()
     assert not report["leak"], report
+    assert report["selected"] > 0, report  # the report of this workload, not the start-up one
     for name, (now, initial) in report["counts"].items():
         assert now == initial, (name, now, initial)
 
