@@ -30,15 +30,16 @@ def cpu_e2e(tmp_path, monkeypatch):
 
     def launch(impl, *, buffer, ratio, graph, max_total_tokens, max_running, log_dir, stats_interval=0,
                graph_bs=None, tag="", overlap=True, wait_for_staging=False, model="tiny-dsa", more_flags=(),
-               kv_dtype="bfloat16"):
+               kv_dtype="bfloat16", more_env=None):
         # CPU servers run without CUDA graphs whatever ``graph`` asks (throughput asks for them), and
         # without overlap scheduling whatever ``overlap`` asks (``asked`` records what was asked)
         config = e2e.hisparse_config(impl, buffer, ratio, stats_interval, wait_for_staging)
         name = e2e.server_name(impl, buffer, False, tag=tag)
         started.append(name)
         asked.append((name, overlap, config))
-        cpu_model = {"tiny-dsa": "tiny-dsa-cpu", "tiny-dsa-indexshare": "tiny-dsa-cpu-indexshare"}[model]
-        return start_server(model=cpu_model, hisparse_config=config, log_dir=log_dir, name=name,
+        cpu_model = {"tiny-dsa": "tiny-dsa-cpu", "tiny-dsa-indexshare": "tiny-dsa-cpu-indexshare",
+                     "tiny-dsa-mtp": "tiny-dsa-cpu-mtp"}[model]
+        return start_server(model=cpu_model, hisparse_config=config, log_dir=log_dir, name=name, env=more_env,
                             max_total_tokens=max_total_tokens,
                             extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
                                         "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
