@@ -28,6 +28,9 @@ DEFAULT_HOST_TO_DEVICE_RATIO = 2
 DEFAULT_SWAP_IN_BLOCK_SIZE = 960
 RESOLVER_CHOICES = ("auto", "reference", "cuda")
 REPLACEMENT_CHOICES = ("lru", "reuse")
+LINEAR_SPECULATION_ALGORITHMS = ("EAGLE", "NEXTN")
+"""Speculative algorithms served with ``--speculative-eagle-topk 1`` (SGLang resolves NEXTN to
+EAGLE before HiSparse is validated)."""
 
 
 class HiSparseConfigError(ValueError):
@@ -268,7 +271,7 @@ def speculative_query_rows(server_args: Any) -> int:
     (draft steps + 1; SGLang has resolved it by the time HiSparse is validated) with linear
     speculation (EAGLE or NEXTN, ``--speculative-eagle-topk 1``), else 1 (other speculation is
     refused by the server checks)."""
-    if getattr(server_args, "speculative_algorithm", None) not in ("EAGLE", "NEXTN"):
+    if getattr(server_args, "speculative_algorithm", None) not in LINEAR_SPECULATION_ALGORITHMS:
         return 1
     if getattr(server_args, "speculative_eagle_topk", None) != 1:
         return 1

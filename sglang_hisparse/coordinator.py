@@ -248,12 +248,9 @@ class HiSparseCoordinator:
         to host, grow short hot buffers, and map the window's logical ids to their slots (the hot
         buffers' window rule). Side effects: host rows and a write-through copy (the forward
         waits for it, ``wait_for_pending_backup``), rows from the reserve, the mapping."""
-        N = self.config.query_rows
         self.stats.note_decode_step(len(committed_lens))
         self.mirror.write_through(req_pool_indices_cpu, [L + 1 for L in committed_lens], self.device_rows_now)
-        rows = self.hot.window_rows(req_pool_indices_cpu, committed_lens, req_pool_indices)  # [bs, N]
-        starts = torch.tensor(committed_lens, dtype=torch.int64).to(rows.device, non_blocking=True)
-        positions = starts[:, None] + torch.arange(N, device=rows.device)
+        positions, rows = self.hot.window_rows(req_pool_indices_cpu, committed_lens, req_pool_indices)  # [bs, N]
         logical = self.req_to_token_pool.req_to_token[req_pool_indices[:, None].long(), positions]
         self.allocator.map_logical(logical.reshape(-1).long(), rows.reshape(-1))
 

@@ -124,17 +124,19 @@ class HotBuffers:
         self.grow(idxs, seq_lens)
         return self.rows_of_positions(req_pool_indices, seq_lens_t - 1)
 
-    def window_rows(self, idxs: list[int], starts: list[int], req_pool_indices: torch.Tensor) -> torch.Tensor:
+    def window_rows(self, idxs: list[int], starts: list[int],
+                    req_pool_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Before a step writing positions ``start .. start + N - 1`` of each request: grow short
-        buffers to cover the window's slots, record the window starts, and return the rows (int64
-        [len(idxs), N]) the window's positions go to (module docstring). Needs N > 1."""
+        buffers to cover the window's slots, record the window starts, and return the window's
+        positions and the rows they go to (both int64 [len(idxs), N], module docstring). Needs N > 1."""
         B, N = self.buffer_size, self.window
         assert self.window_start is not None, "window_rows is the N > 1 form of newest_rows"
         for idx, start in zip(idxs, starts):
             self._grow_to(idx, start + N if start + N <= B else B + N)
         starts_t = torch.tensor(starts, dtype=torch.int64).to(self.window_start.device, non_blocking=True)
         self.window_start[req_pool_indices] = starts_t
-        return self.rows_of_positions(req_pool_indices[:, None], starts_t[:, None] + self._window_offsets)
+        positions = starts_t[:, None] + self._window_offsets
+        return positions, self.rows_of_positions(req_pool_indices[:, None], positions)
 
     # --- lookups -----------------------------------------------------------------------------
     def rows_of_positions(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

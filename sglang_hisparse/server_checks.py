@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_hisparse.config import HiSparseConfig, HiSparseConfigError
+from sglang_hisparse.config import LINEAR_SPECULATION_ALGORITHMS, HiSparseConfig, HiSparseConfigError
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3")
 # Sparse-MLA backends whose page table our resolver output feeds, by KV dtype (CUDA).
@@ -91,17 +91,13 @@ def check_server_settings(s: ServerSettings) -> None:
     _check_parallel_layout(s)
 
 
-SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
-"""Linear speculation only (SGLang resolves NEXTN to EAGLE before HiSparse is validated)."""
-
-
 def _check_speculation(s: ServerSettings) -> None:
     """Linear speculative decoding (a fixed verify window per request) is served; anything whose
     window varies or branches is refused, as is what the first version does not cover yet."""
     algorithm = s.speculative_algorithm
     if not algorithm:
         return
-    if algorithm not in SPECULATIVE_ALGORITHMS:
+    if algorithm not in LINEAR_SPECULATION_ALGORITHMS:
         raise HiSparseConfigError(
             f"--enable-hisparse: --speculative-algorithm={algorithm} is not supported by sglang-hisparse "
             "(allowed: EAGLE or NEXTN with --speculative-eagle-topk 1)")

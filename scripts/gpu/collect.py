@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_log import decode_stats, decode_trace, parse_batches, split_throughput_run  # noqa: E402
+from e2e import speculative_label  # noqa: E402
 
 # (fragment, workload description, how the call was made)
 FRAGMENTS = [
@@ -191,8 +192,8 @@ def main() -> int:
                 job = job_words(run, rel)
                 exactness.append({k: row.get(k) for k in ("impl", "B", "cuda_graph", "graph_bs", "workload")}
                                  | {"run": run, "model": option(job, "--model", "tiny-dsa"),
-                                    "speculative": f"NEXTN:{option(job, '--spec-steps', '0')}"
-                                    if "--spec-steps" in job else None, "failed": row["error"][:300]})
+                                    "speculative": speculative_label(int(option(job, "--spec-steps", "0"))),
+                                    "failed": row["error"][:300]})
                 continue
             if "identical" not in row:  # skipped for time: listed in the run's JSON, not here
                 continue

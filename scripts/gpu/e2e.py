@@ -87,6 +87,11 @@ def accept_all_env(steps: int) -> dict[str, str]:
     return {"SGLANG_SIMULATE_ACC_LEN": str(steps + 1), "SGLANG_SIMULATE_ACC_TOKEN_MODE": "real-draft-token"}
 
 
+def speculative_label(steps: int) -> str | None:
+    """The ``speculative`` field of a result row: ``NEXTN:<draft tokens>``, None without speculation."""
+    return f"NEXTN:{steps}" if steps else None
+
+
 def spec_flags(steps: int) -> list[str]:
     """Linear MTP speculation with ``steps`` draft tokens per step (NEXTN, top-k 1; the verify
     window is steps + 1 tokens); no flags for 0."""
@@ -308,7 +313,7 @@ def exactness(args) -> dict:
             outputs, report, trace = run_workload(impl, buffer, graph_mode, workload, args, log_suffix=f"_{len(rows)}")
             names, first_diff = compare(baselines[key], outputs)
             row = {**head, "lockstep": workload == "lockstep", "model": args.model, "kv_dtype": args.kv_dtype,
-                   "speculative": f"NEXTN:{args.spec_steps}" if args.spec_steps else None,
+                   "speculative": speculative_label(args.spec_steps),
                    "accept_length": accept_length(outputs) if args.spec_steps else None,
                    "forced_acceptance": bool(args.accept_all),
                    "overlap_schedule": not args.no_overlap,

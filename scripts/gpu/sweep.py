@@ -114,7 +114,7 @@ def sweep(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     layers = layer_count(args.model)
     result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
-                    "speculative": f"NEXTN:{args.spec_steps}" if args.spec_steps else None,
+                    "speculative": e2e.speculative_label(args.spec_steps),
                     "context": args.context, "new_tokens": args.new_tokens,
                     "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
                     "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "skipped": []}
