@@ -106,9 +106,10 @@ constexpr size_t cmax(size_t a, size_t b) {
 
 // Planner shared memory. Mirrored by sglang_hisparse/resolver/cuda.py: planner_smem_bytes().
 // kReuse (the reuse-table replacement policy) appends the policy's arrays; without it the layout
-// is the LRU kernel's.
-template <int kB, int kTopK, bool kReuse = false>
-struct PlanLayout {
+// is the LRU kernel's. kSpill (a verify union's N x top_k positions, see PlanSpill) leaves the
+// arrays sized by kTopK out (zero bytes here): they live in the request's global spill slice.
+template <int kB, int kTopK, bool kReuse, bool kSpill>
+struct PlanLayoutOf {
   // Load factor <= 1/4: the probe loops of S1/S2 run as long as the longest probe of the warp's
   // 32 lanes, and shared-memory bank conflicts make every probe cost several cycles of the SM's
   // shared-memory pipe (measured: S1 + S2 were ~14k of a planner's ~29k cycles at load 1/2).
@@ -116,23 +117,26 @@ struct PlanLayout {
   static constexpr int kKGroups = (kTopK + 31) / 32;  // 32-entry groups of the top-k row
   static constexpr int kBGroups = (kB + 31) / 32;     // 32-entry groups of the LRU row
   static constexpr int kHashBits = ilog2(kHash);
+  static constexpr size_t kK = kSpill ? 0 : size_t(kTopK);   // top-k-sized arrays held here
+  static constexpr size_t kH = kSpill ? 0 : size_t(kHash);   // hash entries held here
+  static constexpr size_t kKG = kSpill ? 0 : size_t(kKGroups);
   static constexpr size_t kTopkOff = 0;                                       // int32[kTopK]
-  static constexpr size_t kSelOff = align16(kTopkOff + 4 * size_t(kTopK));    // int32[kTopK]
-  static constexpr size_t kTokOff = align16(kSelOff + 4 * size_t(kTopK));     // int32[kB]
+  static constexpr size_t kSelOff = align16(kTopkOff + 4 * kK);               // int32[kTopK]
+  static constexpr size_t kTokOff = align16(kSelOff + 4 * kK);                // int32[kB]
   static constexpr size_t kHotOff = align16(kTokOff + 4 * size_t(kB));        // int32[kB + 1]
   static constexpr size_t kLruOff = align16(kHotOff + 4 * size_t(kB + 1));    // int16[kB]
   static constexpr size_t kVictOff = align16(kLruOff + 2 * size_t(kB));       // int16[kTopK]
-  static constexpr size_t kMissMaskOff = align16(kVictOff + 2 * size_t(kTopK));              // u32[kKGroups]
-  static constexpr size_t kEvictMaskOff = align16(kMissMaskOff + 4 * size_t(kKGroups));      // u32[kBGroups]
+  static constexpr size_t kMissMaskOff = align16(kVictOff + 2 * kK);                         // u32[kKGroups]
+  static constexpr size_t kEvictMaskOff = align16(kMissMaskOff + 4 * kKG);                   // u32[kBGroups]
   static constexpr size_t kUnionOff = align16(kEvictMaskOff + 4 * size_t(kBGroups));
   // Union, part 1 (S0-S2): the hash table.
-  static constexpr size_t kHashKeysOff = kUnionOff;                                 // int32[kHash]
-  static constexpr size_t kHashValsOff = align16(kHashKeysOff + 4 * size_t(kHash)); // int16[kHash]
-  static constexpr size_t kHashEnd = align16(kHashValsOff + 2 * size_t(kHash));
+  static constexpr size_t kHashKeysOff = kUnionOff;                         // int32[kHash]
+  static constexpr size_t kHashValsOff = align16(kHashKeysOff + 4 * kH);    // int16[kHash]
+  static constexpr size_t kHashEnd = align16(kHashValsOff + 2 * kH);
   // Union, part 2 (S5-S6): the new LRU row and the host rows of the misses.
   static constexpr size_t kNewLruOff = kUnionOff;                                   // int16[kB]
   static constexpr size_t kHostRowOff = align16(kNewLruOff + 2 * size_t(kB));       // int64[kTopK]
-  static constexpr size_t kPhase2End = align16(kHostRowOff + 8 * size_t(kTopK));
+  static constexpr size_t kPhase2End = align16(kHostRowOff + 8 * kK);
   static constexpr int kWsumRows = kReuse ? 5 : 3;  // per-warp counts (S3; S4b with kReuse)
   static constexpr size_t kMiscOff = cmax(kHashEnd, kPhase2End);  // int32[kWsumRows][32] + int32[8]
   static constexpr size_t kMiscEnd = align16(kMiscOff + 4 * (kWsumRows * kWarpSize + 8));
@@ -144,6 +148,31 @@ struct PlanLayout {
   static constexpr size_t kLessMaskOff = align16(kHistoOff + (kReuse ? 4 * 64 : 0));         // u32[kBGroups]
   static constexpr size_t kEqMaskOff = align16(kLessMaskOff + (kReuse ? 4 * size_t(kBGroups) : 0));
   static constexpr size_t kBytes = align16(kEqMaskOff + (kReuse ? 4 * size_t(kBGroups) : 0));
+};
+
+// Whether a planner spills: its whole layout does not fit one CTA's shared memory. Decided at
+// compile time per (B, top_k, policy); with top_k 2048 only a verify union of N >= 3 rows spills.
+template <int kB, int kTopK, bool kReuse = false>
+inline constexpr bool kPlanSpills = PlanLayoutOf<kB, kTopK, kReuse, false>::kBytes > kMaxSmemBytes;
+
+// The shared memory a planner of this configuration uses (the spilled layout when it spills).
+template <int kB, int kTopK, bool kReuse = false>
+using PlanLayout = PlanLayoutOf<kB, kTopK, kReuse, kPlanSpills<kB, kTopK, kReuse>>;
+
+// A spilling planner's arrays sized by kTopK, in request i's slice of the workspace spill buffer
+// (global memory, L2-resident in practice; slices of kBytes, 128-byte aligned): the selection map,
+// victims, miss ballots, hash table and host rows, with PlanLayoutOf's roles. The top-k row is
+// read in place from the input. Mirrored by cuda.py: planner_spill_bytes().
+template <int kTopK>
+struct PlanSpill {
+  static constexpr int kHash = next_pow2(4 * kTopK);
+  static constexpr size_t kSelOff = 0;                                                  // int32[kTopK]
+  static constexpr size_t kVictOff = align16(kSelOff + 4 * size_t(kTopK));              // int16[kTopK]
+  static constexpr size_t kMissMaskOff = align16(kVictOff + 2 * size_t(kTopK));         // u32[kKGroups]
+  static constexpr size_t kHashKeysOff = align16(kMissMaskOff + 4 * size_t((kTopK + 31) / 32));  // int32[kHash]
+  static constexpr size_t kHashValsOff = align16(kHashKeysOff + 4 * size_t(kHash));     // int16[kHash]
+  static constexpr size_t kHostRowOff = align16(kHashValsOff + 2 * size_t(kHash));      // int64[kTopK]
+  static constexpr size_t kBytes = (kHostRowOff + 8 * size_t(kTopK) + 127) & ~size_t(127);
 };
 
 // The reuse-table policy (kReuse): a slot's history word packs age | count << 8 (age: resolves
@@ -204,6 +233,7 @@ struct ResolveParams {
   uint32_t* state;  // workspace state words
   int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
   int32_t* flat_dev;
+  uint8_t* spill;  // workspace spill slices [>= num_reqs * PlanSpill<kTopK>::kBytes] (spilling planners)
   uint64_t spin_timeout_ns;
 };
 
@@ -520,8 +550,10 @@ __device__ __forceinline__ void resolve_resident(
   if (tid == 0 && p.has_plan) p.plan_counts[i] = 0;
 }
 
-// Shared-memory arrays of a planner CTA: PlanLayout's offsets applied to the CTA's dynamic smem.
-// The hash table (S1-S2) and the new LRU row + host rows (S5-S6) share PlanLayout's union region.
+// Arrays of a planner CTA: PlanLayout's offsets applied to the CTA's dynamic smem. The hash table
+// (S1-S2) and the new LRU row + host rows (S5-S6) share PlanLayout's union region. A spilling
+// planner (`spilled`) has its top-k-sized arrays in its PlanSpill slice and reads the top-k row in
+// place; the stages index them alike (generic addresses), only cp.async needs shared memory.
 template <int kB, int kTopK, bool kReuse>
 struct PlanSmem {
   int32_t* topk;        // [kTopK]   S0: the request's top-k row
@@ -544,8 +576,11 @@ struct PlanSmem {
   int32_t* histo;       // [64]      kReuse: S3 evictables per level
   uint32_t* lessmask;   // [kBGroups] kReuse: S4b ballots, read in S5
   uint32_t* eqmask;     // [kBGroups]
+  bool spilled;         // the top-k-sized arrays are in global memory (kPlanSpills)
 
-  __device__ __forceinline__ explicit PlanSmem(unsigned char* smem) {
+  // `spill`: request i's slice of the workspace spill buffer, `topk_row`: its input top-k row
+  // (both read only when the configuration spills).
+  __device__ __forceinline__ PlanSmem(unsigned char* smem, unsigned char* spill, const int32_t* topk_row) {
     using Lay = PlanLayout<kB, kTopK, kReuse>;
     topk = reinterpret_cast<int32_t*>(smem + Lay::kTopkOff);
     sel = reinterpret_cast<int32_t*>(smem + Lay::kSelOff);
@@ -566,6 +601,17 @@ struct PlanSmem {
     histo = reinterpret_cast<int32_t*>(smem + Lay::kHistoOff);
     lessmask = reinterpret_cast<uint32_t*>(smem + Lay::kLessMaskOff);
     eqmask = reinterpret_cast<uint32_t*>(smem + Lay::kEqMaskOff);
+    spilled = kPlanSpills<kB, kTopK, kReuse>;
+    if constexpr (kPlanSpills<kB, kTopK, kReuse>) {
+      using Sp = PlanSpill<kTopK>;
+      topk = const_cast<int32_t*>(topk_row);  // read only
+      sel = reinterpret_cast<int32_t*>(spill + Sp::kSelOff);
+      vict = reinterpret_cast<int16_t*>(spill + Sp::kVictOff);
+      missmask = reinterpret_cast<uint32_t*>(spill + Sp::kMissMaskOff);
+      hkeys = reinterpret_cast<int32_t*>(spill + Sp::kHashKeysOff);
+      hvals = reinterpret_cast<int16_t*>(spill + Sp::kHashValsOff);
+      hostrow = reinterpret_cast<int64_t*>(spill + Sp::kHostRowOff);
+    }
   }
 };
 
@@ -945,7 +991,13 @@ __device__ __forceinline__ void rank_and_gather(
     if ((mask >> t.lane) & 1u) {  // a miss (only this thread rewrites s_sel[j])
       const int m = run + __popc(mask & t.lanes_below);
       sm.sel[j] = -2 - m;  // miss code
-      if (need_host_rows && m < c.M_eff) cp_async8(sm.hostrow + m, rq.host_loc_row + sm.topk[j]);
+      if (need_host_rows && m < c.M_eff) {
+        if (sm.spilled) {
+          sm.hostrow[m] = rq.host_loc_row[sm.topk[j]];  // global to global: no cp.async
+        } else {
+          cp_async8(sm.hostrow + m, rq.host_loc_row + sm.topk[j]);
+        }
+      }
     }
     run += __popc(mask);
   }
@@ -1060,7 +1112,10 @@ __device__ __forceinline__ void publish(
 // every stage relies on (docs/kernel.md, "Why no races"), then finish_planner.
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
-  const PlanSmem<kB, kTopK, kReuse> sm(smem);
+  const int32_t* topk_row = p.topk + static_cast<int64_t>(i) * p.topk_stride;
+  unsigned char* spill = nullptr;
+  if constexpr (kPlanSpills<kB, kTopK, kReuse>) spill = p.spill + static_cast<int64_t>(i) * PlanSpill<kTopK>::kBytes;
+  const PlanSmem<kB, kTopK, kReuse> sm(smem, spill, topk_row);
   const PlanThread t = plan_thread();
   const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
   int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
@@ -1068,7 +1123,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   // ---- S0: the top-k row and the request's scalars do not depend on the request's tables (nor
   // on num_real_reqs): start them first, so that their DRAM round trip overlaps the load of
   // num_real_reqs. A padded row only reads (rows < num_reqs exist) and then exits. ----
-  stage_row(sm.topk, p.topk + static_cast<int64_t>(i) * p.topk_stride, kTopK, t.tid, t.nt);
+  if (!sm.spilled) stage_row(sm.topk, topk_row, kTopK, t.tid, t.nt);
   const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
   const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
   if (i >= p.num_real_reqs[0]) {  // CTA-uniform: padded CUDA-graph row, writes nothing
@@ -1196,7 +1251,7 @@ template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse = false>
 __global__ void __launch_bounds__(kMaxThreads, 1) resolve_kernel(const __grid_constant__ ResolveParams p) {
   static_assert(kB >= 1 && kB <= 32767, "slots are int16");
   static_assert(kTopK >= 1 && kTopK <= kB, "top_k <= B");
-  static_assert(PlanLayout<kB, kTopK, kReuse>::kBytes <= kMaxSmemBytes, "B and top_k too large for shared memory");
+  static_assert(PlanLayout<kB, kTopK, kReuse>::kBytes <= kMaxSmemBytes, "B too large for shared memory");
   HISPARSE_DYNAMIC_SMEM(smem);
   HS_STAMP(0, clock64());
   HS_STAMP(9, global_timer_ns());
@@ -1409,6 +1464,7 @@ struct BoundResolve {
   uint64_t key;  // bound_key of the entry point that wrote it (a launch refuses another's)
   ResolveParams p;  // every field except the batch's: topk, seq_lens, req_pool_indices, out, num_reqs
   int64_t miss_capacity;  // entries of the workspace miss list (host and device lists)
+  int64_t spill_reqs;  // requests the workspace spill buffer holds (INT64_MAX when the planner does not spill)
   int64_t plan_rows;  // rows of the plan tensors (INT64_MAX without a plan)
   int64_t block;
   int64_t num_copiers;
@@ -1440,8 +1496,8 @@ BoundResolve bind_layer(
     const TensorView& plan_host, const TensorView& plan_dev, const TensorView& plan_counts,
     const TensorView& counters, const TensorView& resident, const TensorView& req_to_token,
     const TensorView& logical_to_device, const TensorView& slot_history, const TensorView& reuse_levels,
-    const TensorView& ws_state, const TensorView& ws_flat_host, const TensorView& ws_flat_dev, int64_t block,
-    int64_t num_copiers, int64_t spin_timeout_ns) {
+    const TensorView& ws_state, const TensorView& ws_flat_host, const TensorView& ws_flat_dev,
+    const TensorView& ws_spill, int64_t block, int64_t num_copiers, int64_t spin_timeout_ns) {
   check_block(block);
   check_table(hot_locs, 32, kB + 1, "hot_locs");
   check_table(slot_tokens, 32, kB, "slot_tokens");
@@ -1480,8 +1536,18 @@ BoundResolve bind_layer(
                      "hisparse: workspace state too small");
   host::RuntimeCheck(is_int(ws_flat_host.dtype(), 64) && is_int(ws_flat_dev.dtype(), 32),
                      "hisparse: workspace miss lists must be int64 / int32");
+  constexpr bool kSpills = kPlanSpills<kB, kTopK, kReuse>;
+  host::RuntimeCheck(ws_spill.ndim() == 1 && ws_spill.dtype().code == kDLUInt && ws_spill.dtype().bits == 8,
+                     "hisparse: the workspace spill buffer must be a 1-D uint8 tensor");
+  if constexpr (kSpills) {
+    host::RuntimeCheck(ws_spill.numel() >= int64_t(PlanSpill<kTopK>::kBytes), "hisparse: B=", kB, ", top_k=", kTopK,
+                       " keeps the planner's top-k-sized arrays in global memory: the workspace needs a spill buffer "
+                       "of ", PlanSpill<kTopK>::kBytes, " B per request, has ", ws_spill.numel(),
+                       " B (make_workspace(spill=True))");
+  }
   const int32_t dev_type = hot_locs.device().device_type, dev_id = hot_locs.device().device_id;
-  for (const TensorView* t : {&slot_tokens, &lru, &host_locs, &num_real_reqs, &ws_state, &ws_flat_host, &ws_flat_dev}) {
+  for (const TensorView* t : {&slot_tokens, &lru, &host_locs, &num_real_reqs, &ws_state, &ws_flat_host, &ws_flat_dev,
+                              &ws_spill}) {
     host::RuntimeCheck(same_device(*t, dev_type, dev_id), "hisparse: the tables, num_real_reqs and the workspace must be on one device");
   }
 
@@ -1523,6 +1589,8 @@ BoundResolve bind_layer(
   p.state = ptr<uint32_t>(ws_state);
   p.flat_host = ptr<int64_t>(ws_flat_host);
   p.flat_dev = ptr<int32_t>(ws_flat_dev);
+  p.spill = kSpills ? ptr<uint8_t>(ws_spill) : nullptr;
+  b.spill_reqs = kSpills ? ws_spill.numel() / int64_t(PlanSpill<kTopK>::kBytes) : INT64_MAX;
   p.spin_timeout_ns = static_cast<uint64_t>(spin_timeout_ns > 0 ? spin_timeout_ns : 10'000'000'000LL);
   b.miss_capacity = ws_flat_host.numel() < ws_flat_dev.numel() ? ws_flat_host.numel() : ws_flat_dev.numel();
   b.block = block;
@@ -1562,6 +1630,8 @@ void launch_bound(const BoundResolve& b, const TensorView& topk, const TensorVie
   host::RuntimeCheck(num_reqs * kTopK <= b.miss_capacity, "hisparse: a batch of ", num_reqs,
                      " rows exceeds the workspace (miss list of ", b.miss_capacity, " entries)");
   host::RuntimeCheck(num_reqs <= b.plan_rows, "hisparse: plan tensors must cover num_reqs rows");
+  host::RuntimeCheck(num_reqs <= b.spill_reqs, "hisparse: a batch of ", num_reqs, " rows exceeds the workspace (spill "
+                     "buffer of ", b.spill_reqs, " requests)");
   host::RuntimeCheck(num_reqs * kTopK * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
                      "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
   host::RuntimeCheck(b.device_type == kDLCUDA, "hisparse: the tables must be on a CUDA device");
@@ -1658,6 +1728,7 @@ void resolve(
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
+    TensorView ws_spill,
     int64_t block,
     int64_t num_copiers,
     int64_t spin_timeout_ns) {
@@ -1667,7 +1738,7 @@ void resolve(
   const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
       hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
       counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
-      ws_flat_dev, block, num_copiers, spin_timeout_ns);
+      ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
   detail::launch_bound<kItemBytes, kB, kTopK, kSkipIO, kReuse>(b, topk, seq_lens, req_pool_indices, out);
 }
 
@@ -1696,6 +1767,7 @@ void resolve_bind(
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
+    TensorView ws_spill,
     int64_t block,
     int64_t num_copiers,
     int64_t spin_timeout_ns) {
@@ -1703,7 +1775,7 @@ void resolve_bind(
   const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
       hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
       counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
-      ws_flat_dev, block, num_copiers, spin_timeout_ns);
+      ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
   std::memcpy(static_cast<void*>(dst), &b, sizeof(b));
 }
 

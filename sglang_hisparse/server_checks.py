@@ -157,23 +157,29 @@ def _check_parallel_layout(s: ServerSettings) -> None:
 
 
 def check_kernel_buffer_size(config: HiSparseConfig) -> None:
-    """The fused kernel keeps a request's hot-buffer tables in one block's shared memory: refuse a
-    ``device_buffer_size`` above what fits for the model's top_k (a verify step resolves a union
-    of ``query_rows x top_k`` positions per request)."""
+    """The fused kernel keeps a request's hot-buffer tables in one block's shared memory (its
+    top-k-sized arrays spill to global memory when they do not fit): refuse a
+    ``device_buffer_size`` above what fits for the model's top_k and the replacement policy (a
+    verify step resolves a union of ``query_rows x top_k`` positions per request)."""
     from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size
 
+    reuse = config.replacement == "reuse"
     width = config.query_rows * config.top_k
-    limit = largest_buffer_size(width)
+    limit = largest_buffer_size(width, reuse)
     if limit < width:
-        steps = max(n for n in range(1, config.query_rows + 1) if largest_buffer_size(n * config.top_k) >= n * config.top_k)
+        steps = max((n for n in range(1, config.query_rows + 1)
+                     if largest_buffer_size(n * config.top_k, reuse) >= n * config.top_k), default=0)
+        fewer = f"--speculative-num-steps {steps - 1} or fewer, or " if steps >= 2 else ""
         raise HiSparseConfigError(
             f"--enable-hisparse: a verify step of {config.query_rows} tokens per request resolves a union of "
             f"{config.query_rows} x top_k={width} positions, which the fused kernel's shared memory "
-            f"({MAX_SMEM_BYTES // 1024} KiB per block) does not hold for any device_buffer_size: use "
-            f"--speculative-num-steps {steps - 1} or fewer, or --hisparse-config resolver=reference")
+            f"({MAX_SMEM_BYTES // 1024} KiB per block) does not hold for any device_buffer_size"
+            f"{' with replacement=reuse' if reuse else ''}: use {fewer}--hisparse-config resolver=reference")
     if config.device_buffer_size > limit:
         what = f"top_k={config.top_k}" if config.query_rows == 1 else (
             f"a verify union of {config.query_rows} x top_k={width} positions")
+        if reuse:
+            what += " with replacement=reuse"
         raise HiSparseConfigError(
             f"--hisparse-config: invalid device_buffer_size={config.device_buffer_size}: the fused "
             f"kernel's shared memory ({MAX_SMEM_BYTES // 1024} KiB per block) holds at most {limit} "

@@ -23,9 +23,17 @@ def test_emulated_kernel_matches_oracle():
     cases = int(os.environ.get("HISPARSE_EMU_CASES", "40"))
     failures, reports = run_emulation.run_cases(emu, cases, seed=int(os.environ.get("HISPARSE_EMU_SEED", "11")))
     assert failures == 0, "\n\n".join(reports)
-    # the Python mirror of the shared-memory layout (used by check_supported) is the kernel's
-    from sglang_hisparse.resolver.cuda import planner_smem_bytes
+    # the Python mirrors of the planner's layouts (used by check_supported, the launch checks and
+    # make_workspace) are the kernel's, spilled ones included
+    from sglang_hisparse.resolver.cuda import planner_smem_bytes, planner_spill_bytes, planner_spills
 
-    for B, K in ((256, 64), (64, 32), (13, 5), (4096, 2048), (8192, 2048)):
-        assert emu.planner_smem_bytes(B, K) == planner_smem_bytes(B, K), (B, K)
-        assert emu.planner_smem_bytes(B, K, True) == planner_smem_bytes(B, K, reuse=True), (B, K)
+    for B, K in ((256, 64), (64, 32), (13, 5), (4096, 2048), (8192, 2048), (17000, 2048), (9108, 4096),
+                 (12000, 4096), (8192, 6144), (10240, 8192)):
+        for reuse in (False, True):
+            assert emu.planner_layout(B, K, reuse) == (planner_smem_bytes(B, K, reuse), planner_spills(B, K, reuse)), \
+                (B, K, reuse)
+    spills = [emu.planner_layout(B, K)[1] for B, K in ((8192, 2048), (17000, 2048), (9108, 4096), (12000, 4096),
+                                                         (8192, 6144), (10240, 8192))]
+    assert spills == [False, True, False, True, True, True]
+    for K in (16, 2048, 6144, 8192):
+        assert emu.planner_spill_bytes(K) == planner_spill_bytes(K), K

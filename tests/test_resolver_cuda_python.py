@@ -221,8 +221,38 @@ def test_make_workspace_shapes():
     assert ws.errors.shape == (1,) and ws.errors.data_ptr() == ws.state[cuda.STATE_ERRORS:].data_ptr()
     assert ws.resolve_num_real.data_ptr() != ws.replay_num_real.data_ptr()
     assert ws.max_reqs == 7 and ws.top_k == 64 and ws.device == CPU
+    assert ws.planner_spill.numel() == 0 and ws.planner_spill.dtype == torch.uint8  # no spill buffer by default
+    spilled = cuda.make_workspace(7, "cpu", top_k=64, spill=True)
+    assert spilled.planner_spill.shape == (7 * cuda.planner_spill_bytes(64),)
     with pytest.raises(ValueError):
         cuda.make_workspace(0, "cpu")
+
+
+def test_planner_spill_slices_hold_the_top_k_sized_arrays():
+    # PlanSpill<8192>: 32K selection map, 16K victims, 1K ballots, 128K + 64K hash (32768 entries),
+    # 64K host rows -> 312320 bytes (a multiple of 128).
+    assert cuda.planner_spill_bytes(8192) == 312320
+    assert all(cuda.planner_spill_bytes(k) % 128 == 0 for k in (1, 5, 64, 2048, 6144))
+    # a spilled layout holds only the B-sized arrays: less shared memory than the same B unspilled
+    assert cuda.planner_spills(8192, 6144) and not cuda.planner_spills(8192, 2048)
+    assert cuda.planner_smem_bytes(8192, 6144) < cuda.planner_smem_bytes(8192, 2048)
+
+
+def test_a_spilling_planner_needs_the_workspace_spill_buffer(monkeypatch):
+    """B=8192 with a 3-row verify union of 2048 (6144 positions) spills: a workspace without the
+    spill buffer is refused before anything launches, naming what to allocate; with it, the
+    launch receives the buffer."""
+    calls = _record_skip_io_launches(monkeypatch)
+    monkeypatch.setattr(cuda, "_static_checked", {})
+    B, K, n, R = 8192, 6144, 2, 2
+    kw = dict(_valid_kwargs(B=B, K=K, n=n, R=R), skip_io=True)
+    with pytest.raises(ValueError, match=r"keeps the planner's top-k-sized arrays in global memory: the workspace "
+                                         r"needs a spill buffer of 566784 B, has 0 \(make_workspace\(spill=True\)\)"):
+        cuda.resolve_cuda(**kw)
+    assert calls == []
+    ws = cuda.make_workspace(R, "cpu", top_k=K, spill=True)
+    cuda.resolve_cuda(**{**kw, "workspace": ws})
+    assert len(calls) == 1 and calls[0][-4] is ws.planner_spill
 
 
 def test_planner_smem_matches_the_kernel_layout():
@@ -231,6 +261,7 @@ def test_planner_smem_matches_the_kernel_layout():
     assert cuda.planner_smem_bytes(4096, 2048) == 111792
     assert cuda.planner_smem_bytes(8192, 2048) <= cuda.MAX_SMEM_BYTES
     cuda.check_supported(1152, 8192, 2048)
+    cuda.check_supported(1152, 19135, 2048)  # spilled
     cuda.check_supported(656, 64, 64)
     with pytest.raises(ValueError, match="shared memory"):
         cuda.check_supported(1152, 32767, 2048)
@@ -406,8 +437,9 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
-    assert len(args) == 26
+    assert len(args) == 27  # the C++ entry point's parameters
     assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
+    assert args[-4] is kw["workspace"].planner_spill and args[-4].numel() == 0  # B=32, top_k=16 does not spill
     assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
     assert [a.numel() for a in args[15:18]] == [0, 0, 0]  # no residency
     assert [a.dtype for a in args[15:18]] == [torch.uint8, torch.int32, torch.int64]
@@ -608,6 +640,16 @@ def _cuda_runtime_for_linking() -> bool:
 def hopper_module(tmp_path_factory):
     """The sm_90a resolve module (656-byte rows, B=128, top_k=64) built by SGLang's loader with
     no GPU: its entry points' checks run before any CUDA call, so they can be exercised here."""
+    yield from _hopper_build(tmp_path_factory, 656, 128, 64)
+
+
+@pytest.fixture(scope="module")
+def hopper_spill_module(tmp_path_factory):
+    """The sm_90a module of a spilling planner: B=8192 with a 3-row verify union of 2048."""
+    yield from _hopper_build(tmp_path_factory, 656, 8192, 3 * 2048)
+
+
+def _hopper_build(tmp_path_factory, item_bytes: int, B: int, top_k: int):
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     from sglang.kernels.jit.utils import override_jit_cuda_arch
@@ -619,7 +661,7 @@ def hopper_module(tmp_path_factory):
     jit.resolve_module.cache_clear()
     try:
         with override_jit_cuda_arch(9, 0):
-            yield jit.resolve_module(656, 128, 64)
+            yield jit.resolve_module(item_bytes, B, top_k)
     except RuntimeError as e:
         if "cannot find -lcudart" in str(e):
             pytest.skip("no CUDA runtime library to link against on this machine")
@@ -640,9 +682,9 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     module = hopper_module
     bad = torch.zeros(3, dtype=torch.int32)
     with pytest.raises(Exception, match="top_k_positions"):
-        module.resolve(bad, *([torch.zeros(1)] * 22), 960, -1, 0)
+        module.resolve(bad, *([torch.zeros(1)] * 23), 960, -1, 0)
     with pytest.raises(Exception, match="block size"):
-        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 22), 48, -1, 0)
+        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 23), 48, -1, 0)
     topk = torch.zeros(2, 64, dtype=torch.int32)
     rows = torch.zeros(2, dtype=torch.int64)
     tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
@@ -652,7 +694,7 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     with pytest.raises(Exception, match="resident"):
         module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
                                torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
-                               torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 3), 64, -1, 0)
+                               torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 4), 64, -1, 0)
 
 
 @pytest.mark.slow
@@ -687,6 +729,36 @@ def test_a_bound_layer_through_the_real_module_checks_each_batch(hopper_module, 
         hopper_module.launch(params, *good)
     with pytest.raises(Exception, match="bound parameters must be"):
         hopper_module.launch(params[:100], *good)
+
+
+@pytest.mark.slow
+def test_a_spilling_module_checks_its_spill_buffer(hopper_spill_module, monkeypatch):
+    """The compiled spilling planner (CPU tensors: every check precedes the first CUDA call):
+    its bind refuses a workspace without the spill buffer (the C++ check, reached past Python's),
+    and its launch refuses a batch of more requests than the buffer has slices; a batch that
+    fits is stopped only by the device."""
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: hopper_spill_module)
+    B, K = 8192, 3 * 2048
+    kw = _valid_kwargs(B=B, K=K, n=2, R=4)
+    kw["host_kv"] = kw["device_kv"] = torch.zeros(10, 1, 328, dtype=torch.bfloat16)  # 656-byte rows
+    batch = ("top_k_positions", "seq_lens", "req_pool_indices", "out")
+    fixed = {k: v for k, v in kw.items() if k not in batch + ("workspace", "block_size")}
+    bare = kw["workspace"]
+    monkeypatch.setattr(cuda, "planner_spill_bytes", lambda *a: 0)  # the Python check lets it through
+    with pytest.raises(ValueError, match=r"B=8192, top_k=6144 keeps the planner's top-k-sized arrays in global "
+                                         r"memory: the workspace needs a spill buffer of 283392 B per request, has 0 B"):
+        cuda.bind_resolve_cuda(workspace=bare, block_size=64, skip_io=True, top_k=K, **fixed)
+    monkeypatch.undo()
+    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: hopper_spill_module)
+    one_slice = cuda.make_workspace(4, "cpu", top_k=K, spill=True)
+    one_slice = dataclasses.replace(one_slice, planner_spill=one_slice.planner_spill[: cuda.planner_spill_bytes(K)],
+                                    max_reqs=1)
+    resolve = cuda.bind_resolve_cuda(workspace=one_slice, block_size=64, skip_io=True, top_k=K, **fixed)
+    good = [kw[k] for k in batch]
+    with pytest.raises(ValueError, match=r"a batch of 2 rows exceeds the workspace \(spill buffer of 1 requests\)"):
+        resolve(*good)
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve(*(t[:1] for t in good))
 
 
 def test_a_bound_layer_resolver_launches_exactly_what_resolve_cuda_launches(monkeypatch):

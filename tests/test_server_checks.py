@@ -100,25 +100,32 @@ def test_parallel_layouts_not_run_are_refused(change, fragment):
 
 
 def test_the_kernel_buffer_limit_follows_its_shared_memory_layout():
-    """The limit is the largest B whose planner layout fits the block's shared memory."""
-    from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size, planner_smem_bytes
+    """The limit is the largest B whose planner layout fits the block's shared memory, with the
+    top-k-sized arrays spilled to global memory past 16011 slots at top_k 2048."""
+    from sglang_hisparse.resolver.cuda import MAX_SMEM_BYTES, largest_buffer_size, planner_smem_bytes, planner_spills
 
-    for top_k in (64, 2048):
+    for top_k in (64, 2048, 3 * 2048, 4 * 2048):
         limit = largest_buffer_size(top_k)
         assert planner_smem_bytes(limit, top_k) <= MAX_SMEM_BYTES < planner_smem_bytes(limit + 1, top_k)
-    assert largest_buffer_size(2048) == 16011
+    assert largest_buffer_size(2048) == 19135
+    assert not planner_spills(16011, 2048) and planner_spills(16012, 2048)
+    assert largest_buffer_size(2048, reuse=True) == 15056
 
 
 def test_a_hot_buffer_beyond_the_kernel_limit_is_refused_with_the_allowed_range():
     from sglang_hisparse.config import HiSparseConfig
     from sglang_hisparse.server_checks import check_kernel_buffer_size
 
-    check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=16011))
+    check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=19135))
     with pytest.raises(HiSparseConfigError) as info:
-        check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=16012))
+        check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=19136))
     message = str(info.value)
-    assert message.startswith("--hisparse-config: invalid device_buffer_size=16012:")
-    assert "allowed: [2048, 16011]" in message and "\n" not in message
+    assert message.startswith("--hisparse-config: invalid device_buffer_size=19136:")
+    assert "allowed: [2048, 19135]" in message and "\n" not in message
+    check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=15056, replacement="reuse"))
+    with pytest.raises(HiSparseConfigError, match=r"holds at most 15056 slots for top_k=2048 with "
+                                                 r"replacement=reuse; allowed: \[2048, 15056\]"):
+        check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=15057, replacement="reuse"))
 
 
 def _launcher_view(config: str, **overrides):
@@ -166,6 +173,7 @@ def test_the_launcher_refuses_what_the_gpu_cannot_run(monkeypatch, platform, con
 SPEC_ARGS = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_draft_tokens=4,
                  disable_overlap_schedule=True)
 ONE_DRAFT = dict(SPEC_ARGS, speculative_num_draft_tokens=2)
+TEN_ROWS = dict(SPEC_ARGS, speculative_num_draft_tokens=10)
 
 
 @pytest.mark.parametrize(
@@ -173,17 +181,18 @@ ONE_DRAFT = dict(SPEC_ARGS, speculative_num_draft_tokens=2)
     [
         ('{"device_buffer_size": 6144}', SPEC_ARGS, "invalid device_buffer_size=6144: must be in [4 x top_k=8192: "
                                                     "a verify step of 4 tokens per request, 32767]"),
-        ("{}", SPEC_ARGS, "union of 4 x top_k=8192 positions, which the fused kernel's shared memory (227 KiB per "
-                          "block) does not hold for any device_buffer_size: use --speculative-num-steps 1 or fewer"),
-        ('{"device_buffer_size": 9200}', ONE_DRAFT, "slots for a verify union of 2 x top_k=4096 positions; "
-                                                    "allowed: [4096, 9108]"),
+        ("{}", TEN_ROWS, "union of 10 x top_k=20480 positions, which the fused kernel's shared memory (227 KiB per "
+                         "block) does not hold for any device_buffer_size: use --speculative-num-steps 8 or fewer, "
+                         "or --hisparse-config resolver=reference"),
+        ('{"device_buffer_size": 19200}', ONE_DRAFT, "slots for a verify union of 2 x top_k=4096 positions; "
+                                                     "allowed: [4096, 19135]"),
         ('{"residency": true}', ONE_DRAFT, "residency=true is not supported with speculative decoding"),
     ],
 )
 def test_the_launcher_sizes_hot_buffers_for_the_verify_window(monkeypatch, config, spec, fragment):
     """With linear speculation (N query rows) the hot buffer must hold N x top_k positions; the
-    kernel's limit is that of the verify union (none at all for N = 4, top_k 2048); residency is
-    refused."""
+    kernel's limit is that of the verify union (none at all for N = 10, top_k 2048: 20480 > 19135);
+    residency is refused."""
     from sglang_hisparse.patches import validation
     from sglang_hisparse.resolver.dispatch import Platform
 
@@ -192,6 +201,7 @@ def test_the_launcher_sizes_hot_buffers_for_the_verify_window(monkeypatch, confi
         validation.validate_hisparse(_launcher_view(config, **spec))
     assert fragment in str(info.value) and "\n" not in str(info.value)
     validation.validate_hisparse(_launcher_view("{}", **ONE_DRAFT))  # B = 3 x 2048 fits
+    validation.validate_hisparse(_launcher_view("{}", **SPEC_ARGS))  # B = 5 x 2048: the planner spills
 
 
 def test_the_default_hot_buffer_with_speculation_is_n_plus_one_times_top_k():

@@ -7,6 +7,9 @@
 #   .jit/*.tar.xz              optional: JIT caches brought back by an earlier call (carry .jit)
 # Usage: bash scripts/gpu/run.sh <job> [args...] [+ <job> [args...] ...]   (jobs run in order)
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
+#   job = verify  -> bash scripts/gpu/verify_suite.sh   (the verify-step kernel tests and sanitizers)
+#   job = bg <job> [args...] -> that job in the background, alongside the next ones (the call waits
+#                    for it before packing the results; its exit status counts like the others')
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
@@ -43,6 +46,7 @@ run_job() {
   log "job $job $*"
   case "$job" in
     kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    verify) bash scripts/gpu/verify_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
@@ -58,14 +62,22 @@ run_job() {
 }
 rc=0
 args=()
+bg_pids=()
 for word in "$@" +; do
   if [ "$word" = "+" ]; then
-    [ ${#args[@]} -gt 0 ] && { run_job "${args[@]}" || rc=$?; }
+    if [ ${#args[@]} -gt 1 ] && [ "${args[0]}" = bg ]; then
+      run_job "${args[@]:1}" &
+      bg_pids+=($!)
+      log "job ${args[1]} started in the background"
+    elif [ ${#args[@]} -gt 0 ]; then
+      run_job "${args[@]}" || rc=$?
+    fi
     args=()
   else
     args+=("$word")
   fi
 done
+for pid in "${bg_pids[@]}"; do wait "$pid" || rc=$?; done
 # at most 8 files come back: logs into logs.tar.xz, JIT caches into jit.tar.xz
 # HISPARSE_PACK_JIT=0: leave the JIT caches out (packing them takes minutes of device time; worth it
 # only when a later call will carry them)

@@ -5,8 +5,10 @@ Run as ``compute-sanitizer --tool memcheck python scripts/gpu/sanitize_resolve.p
 racecheck). Cases and the oracle are computed on the CPU and only copied to the GPU, so the
 sanitizer instruments almost nothing but our kernels. Covers block sizes 32 .. 1024, both item
 sizes, plan recording and replay, skip-IO, fast-path and padded rows, resident requests mixed with
-hot-buffer ones (uint8 and bool flags), copier CTAs automatic, none (planners copy) and few. Every launch is also compared with the oracle. Exit status 1 on a
-mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py).
+hot-buffer ones (uint8 and bool flags), copier CTAs automatic, none (planners copy) and few, and
+spilling planners (a verify union of 3 and 4 rows of 2048: top-k-sized arrays in global memory). Every launch is also compared with the oracle. Exit status 1 on a
+mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py, or ``--build-only``
+first, outside the sanitizer: it builds this script's modules and exits).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ os.environ.setdefault("HISPARSE_RESOLVE_SPIN_TIMEOUT_S", "60")  # instrumented k
 import torch  # noqa: E402
 
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
+from sglang_hisparse.resolver import jit  # noqa: E402
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
 from sglang_hisparse.resolver.cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
 from sglang_hisparse.resolver.reference import MissPlan  # noqa: E402
@@ -37,6 +40,7 @@ CASES = [
     (1152, 1024, 512, 3, 3, 256, 0, True, False, "uniform", None),
     (656, 512, 512, 2, 2, 1024, 0, True, True, "one", None),
     (1152, 4096, 2048, 2, 2, 960, 0, True, False, "fixed", None),
+    (1152, 8192, 6144, 2, 2, 960, 0, True, False, "fixed", None),  # spills
     (656, 256, 64, 6, 6, 640, 0, False, False, "uniform", None),
     (1152, 1024, 512, 6, 5, 352, 0, True, False, "uniform", (0.5, torch.uint8)),
     (656, 128, 64, 4, 4, 1024, 0, False, True, "fixed", (1.0, torch.bool)),
@@ -45,6 +49,7 @@ CASES = [
     (656, 1024, 512, 3, 2, 512, 3, False, False, "zero", None),
     (1152, 4096, 2048, 2, 2, 960, None, True, False, "fixed", None),
     (1152, 4096, 2048, 3, 3, 960, None, True, False, "fixed", (0.5, torch.bool)),
+    (656, 10240, 8192, 3, 2, 1024, None, True, False, "uniform", None),  # spills
 ]
 
 
@@ -73,17 +78,30 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def build_modules() -> None:
+    """JIT-build (or load) every module the cases launch, concurrently."""
+    configs = sorted({(item, B, K) for item, B, K, *_ in CASES})
+    t0 = time.time()
+    jit.build_all([lambda c=c: jit.resolve_module(*c) for c in configs]
+                  + [lambda i=i: jit.replay_module(i) for i in sorted({c[0] for c in configs})])
+    print(f"[build] {len(configs)} resolve modules and their replay modules in {time.time() - t0:.0f}s", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tool", default="sanitizer", help="label for the log")
     parser.add_argument("--device", default="cuda", help="device of the kernel launches")
+    parser.add_argument("--build-only", action="store_true", help="build the modules the cases need and exit")
     args = parser.parse_args()
+    if args.build_only:
+        build_modules()
+        return 0
     dev = torch.device(args.device)
     cpu = torch.device("cpu")
     pool = HostPool(64 << 20, cpu, pin=dev.type == "cuda", seed=5)
-    kbuf = torch.empty(3 * 4097 * 1152 * 2, dtype=torch.uint8)
+    kbuf = torch.empty(4 * 10241 * 1152, dtype=torch.uint8)
     rbuf = torch.empty_like(kbuf)
-    ws = rcuda.make_workspace(8, dev, top_k=2048)
+    ws = rcuda.make_workspace(8, dev, top_k=8192, spill=True)
     rng = random.Random(3)
     failures = 0
     for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode, resident) in enumerate(CASES):

@@ -56,23 +56,22 @@ def _align16(x: int) -> int:
     return (x + 15) & ~15
 
 
-def planner_smem_bytes(device_buffer_size: int, top_k: int, reuse: bool = False) -> int:
-    """Shared memory of one planner CTA; mirrors ``PlanLayout`` in ``kernels/resolve.cuh``
-    (``reuse``: the reuse-table policy's kernel, which appends its arrays)."""
-    B, K = device_buffer_size, top_k
+def _layout_bytes(B: int, K: int, reuse: bool, spilled: bool) -> int:
+    """``PlanLayoutOf<B, K, reuse, spilled>::kBytes`` in ``kernels/resolve.cuh``."""
     hash_size = 1
     while hash_size < 4 * K:  # load factor <= 1/4
         hash_size <<= 1
-    off = _align16(4 * K)  # top-k positions
-    off = _align16(off + 4 * K)  # selection -> slot / miss code
+    k, h = (0, 0) if spilled else (K, hash_size)  # a spilled layout holds no top-k-sized array
+    off = _align16(4 * k)  # top-k positions
+    off = _align16(off + 4 * k)  # selection -> slot / miss code
     off = _align16(off + 4 * B)  # slot tokens -> selection
     off = _align16(off + 4 * (B + 1))  # hot locs
     off = _align16(off + 2 * B)  # lru
-    off = _align16(off + 2 * K)  # victims
-    off = _align16(off + 4 * ((K + 31) // 32))  # miss ballots
+    off = _align16(off + 2 * k)  # victims
+    off = _align16(off + 4 * ((k + 31) // 32))  # miss ballots
     union = _align16(off + 4 * ((B + 31) // 32))  # evictable ballots
-    hash_end = _align16(_align16(union + 4 * hash_size) + 2 * hash_size)
-    phase2_end = _align16(_align16(union + 2 * B) + 8 * K)
+    hash_end = _align16(_align16(union + 4 * h) + 2 * h)
+    phase2_end = _align16(_align16(union + 2 * B) + 8 * k)
     wsum_rows = 5 if reuse else 3
     end = _align16(max(hash_end, phase2_end) + 4 * (wsum_rows * 32 + 8))
     if reuse:  # history u16[B], levels u8[B], histogram int32[64], two ballot rows u32[B / 32]
@@ -81,10 +80,42 @@ def planner_smem_bytes(device_buffer_size: int, top_k: int, reuse: bool = False)
     return end
 
 
+def planner_spills(device_buffer_size: int, top_k: int, reuse: bool = False) -> bool:
+    """Whether the planner of this configuration keeps its top-k-sized arrays (selection map,
+    victims, hash table, host rows) in a global spill slice per request because the whole layout
+    does not fit :data:`MAX_SMEM_BYTES`; mirrors ``kPlanSpills`` in ``kernels/resolve.cuh``. At
+    top_k 2048 only a verify union of N >= 3 rows (or B > 16011) spills."""
+    return _layout_bytes(device_buffer_size, top_k, reuse, spilled=False) > MAX_SMEM_BYTES
+
+
+def planner_smem_bytes(device_buffer_size: int, top_k: int, reuse: bool = False) -> int:
+    """Shared memory of one planner CTA (the spilled layout when :func:`planner_spills`); mirrors
+    ``PlanLayout`` in ``kernels/resolve.cuh`` (``reuse``: the reuse-table policy's kernel, which
+    appends its arrays)."""
+    spilled = planner_spills(device_buffer_size, top_k, reuse)
+    return _layout_bytes(device_buffer_size, top_k, reuse, spilled)
+
+
+def planner_spill_bytes(top_k: int) -> int:
+    """Bytes of one request's spill slice (``PlanSpill<top_k>::kBytes``): int32 selection map,
+    int16 victims, miss ballots, int32 + int16 hash of next_pow2(4 * top_k) entries, int64 host
+    rows; 128-byte aligned. 312,320 B at top_k 8192 (a 4-row verify union of 2048)."""
+    hash_size = 1
+    while hash_size < 4 * top_k:
+        hash_size <<= 1
+    off = _align16(4 * top_k)  # selection map
+    off = _align16(off + 2 * top_k)  # victims
+    off = _align16(off + 4 * ((top_k + 31) // 32))  # miss ballots
+    off = _align16(off + 4 * hash_size)  # hash keys
+    off = _align16(off + 2 * hash_size)  # hash values
+    return (off + 8 * top_k + 127) & ~127  # host rows
+
+
 def largest_buffer_size(top_k: int, reuse: bool = False) -> int:
-    """The largest B whose planner fits :data:`MAX_SMEM_BYTES` for ``top_k`` (0 when none does;
-    the layout grows with B, so a binary search over ``[top_k, MAX_SLOTS]`` finds it)."""
-    if planner_smem_bytes(top_k, top_k, reuse) > MAX_SMEM_BYTES:
+    """The largest B whose planner fits :data:`MAX_SMEM_BYTES` for ``top_k``, spilling its
+    top-k-sized arrays when it must (0 when none does; the used layout grows with B, so a binary
+    search over ``[top_k, MAX_SLOTS]`` finds it)."""
+    if top_k > MAX_SLOTS or planner_smem_bytes(top_k, top_k, reuse) > MAX_SMEM_BYTES:
         return 0
     low, high = top_k, MAX_SLOTS
     while low < high:
@@ -153,6 +184,9 @@ class ResolveWorkspace:
     """int32 [1]: holds ``num_real_reqs`` when resolve_cuda is given an int."""
     replay_num_real: torch.Tensor
     """int32 [1]: the same for replay_plan_cuda (it may run on another stream)."""
+    planner_spill: torch.Tensor
+    """uint8 [max_reqs * planner_spill_bytes(top_k)] (empty without ``spill``): the spill slices
+    of planners whose top-k-sized arrays do not fit shared memory (:func:`planner_spills`)."""
     empty_i64: torch.Tensor
     empty_i32: torch.Tensor
     empty_u8: torch.Tensor
@@ -165,10 +199,14 @@ class ResolveWorkspace:
         return self.state[STATE_ERRORS : STATE_ERRORS + 1]
 
 
-def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int = DEFAULT_TOP_K) -> ResolveWorkspace:
-    """Allocate the workspace for batches of up to ``max_reqs`` requests and ``top_k`` selections.
+def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int = DEFAULT_TOP_K,
+                   spill: bool = False) -> ResolveWorkspace:
+    """Allocate the workspace for batches of up to ``max_reqs`` requests and ``top_k`` selections;
+    ``spill``: with the spill buffer that planners of spilling configurations need
+    (:func:`planner_spills`; a verify union of N >= 3 rows of 2048).
 
-    Side effect: allocates ``12 * max_reqs * top_k`` bytes (+ 1 KB) on ``device``.
+    Side effect: allocates ``12 * max_reqs * top_k`` bytes (+ 1 KB) on ``device``, plus
+    ``max_reqs * planner_spill_bytes(top_k)`` with ``spill``.
     """
     if max_reqs < 1:
         raise ValueError(f"make_workspace: max_reqs must be >= 1, got {max_reqs}")
@@ -187,6 +225,8 @@ def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int =
         flat_device_rows=torch.zeros(n, dtype=torch.int32, device=device),
         resolve_num_real=torch.zeros(1, dtype=torch.int32, device=device),
         replay_num_real=torch.zeros(1, dtype=torch.int32, device=device),
+        planner_spill=torch.empty(max_reqs * planner_spill_bytes(top_k) if spill else 0, dtype=torch.uint8,
+                                  device=device),
         empty_i64=torch.empty(0, dtype=torch.int64, device=device),
         empty_i32=torch.empty(0, dtype=torch.int32, device=device),
         empty_u8=torch.empty(0, dtype=torch.uint8, device=device),
@@ -327,7 +367,7 @@ class _Static:
     extras: tuple
     """(plan host rows, plan device rows, plan counts, counters, resident, req_to_token,
     logical_to_device, slot_history, reuse_levels, workspace state, miss-list host rows,
-    miss-list device rows, block, copiers, spin timeout)"""
+    miss-list device rows, spill buffer, block, copiers, spin timeout)"""
 
 
 def _validate_static(
@@ -351,6 +391,11 @@ def _validate_static(
     if counters is not None:
         _check(counters.dtype == torch.int64 and counters.numel() >= 2 and counters.device == device
                and counters.stride(0) == 1, f"counters must be a contiguous int64 [2] tensor on {device}")
+    if planner_spills(B, top_k, reuse is not None):
+        need = workspace.max_reqs * planner_spill_bytes(top_k)
+        _check(workspace.planner_spill.numel() >= need,
+               f"B={B}, top_k={top_k} keeps the planner's top-k-sized arrays in global memory: the workspace needs "
+               f"a spill buffer of {need} B, has {workspace.planner_spill.numel()} (make_workspace(spill=True))")
     e64, e32 = workspace.empty_i64, workspace.empty_i32
     resident, req_to_token, logical_to_device = residency if residency is not None else (workspace.empty_u8, e32, e64)
     slot_history, levels = reuse if reuse is not None else (workspace.empty_i16, workspace.empty_u8)
@@ -358,7 +403,7 @@ def _validate_static(
         plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32, counters if counters is not None else e64,
         resident, req_to_token, logical_to_device, slot_history, levels, workspace.state, workspace.flat_host_rows,
-        workspace.flat_device_rows, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
+        workspace.flat_device_rows, workspace.planner_spill, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
     )
     return _Static(item_bytes, bool(skip_io), reuse is not None, (hot_locs, slot_tokens, lru, host_locs, host_kv,
                                                                   device_kv), extras)

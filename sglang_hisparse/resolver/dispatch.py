@@ -17,6 +17,7 @@ kernel-only keywords (``workspace``, ``block_size``) are dropped for the referen
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -24,6 +25,8 @@ import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.resolver.reference import replay_plan_reference, resolve_reference
+
+logger = logging.getLogger(__name__)
 
 Impl = Literal["cuda", "reference"]
 
@@ -138,7 +141,8 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     """The resolver for a server: ``config.resolver`` applied by :func:`choose_resolver`.
 
     For the kernel, allocates its workspace once (fixed addresses for CUDA graphs; sized for rows
-    of ``config.query_rows x top_k`` positions, the verify union's width), binds layers
+    of ``config.query_rows x top_k`` positions, the verify union's width, with the spill buffer
+    when that width's planner spills: ``cuda.planner_spills``), binds layers
     with the configured block size (``resolver.cuda.bind_resolve_cuda``) and replays plans with
     ``replay_plan_cuda``; ``warmup`` JIT-builds the variants the server needs. For the reference,
     ``reference.resolve_reference`` and ``replay_plan_reference``.
@@ -151,7 +155,14 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
     if impl == "cuda":
         from sglang_hisparse.resolver import cuda as cuda_resolver
 
-        workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=top_k * config.query_rows)
+        width = top_k * config.query_rows
+        spill = cuda_resolver.planner_spills(config.device_buffer_size, width, config.replacement == "reuse")
+        workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=width, spill=spill)
+        if spill:
+            logger.info("sglang-hisparse: B=%d with a verify union of %d positions keeps the resolve planner's "
+                        "top-k-sized arrays in global memory (%.1f MB of spill slices for %d requests)",
+                        config.device_buffer_size, width,
+                        max_reqs * cuda_resolver.planner_spill_bytes(width) / 2**20, max_reqs)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
             cuda_resolver.warmup_build(row_bytes, device_buffer_size, top_k_, config.swap_in_block_size,

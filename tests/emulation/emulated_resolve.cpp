@@ -7,6 +7,20 @@
 #define HISPARSE_EMULATE 1
 #include "resolve.cuh"
 
+// Two small configurations planned as a verify union too large for shared memory would be: their
+// top-k-sized arrays in the global spill slices (PlanSpill), so that the spilled planner is checked
+// here at sizes the emulator runs quickly. Declared before any instantiation of the kernel.
+namespace hisparse {
+template <>
+inline constexpr bool kPlanSpills<40, 16, false> = true;
+template <>
+inline constexpr bool kPlanSpills<40, 16, true> = true;
+template <>
+inline constexpr bool kPlanSpills<96, 48, false> = true;
+template <>
+inline constexpr bool kPlanSpills<96, 48, true> = true;
+}  // namespace hisparse
+
 #include <map>
 #include <tuple>
 
@@ -23,7 +37,7 @@ T* ptr(const torch::Tensor& t) {
 
 struct Args {
   torch::Tensor topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real;
-  torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev;
+  torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev, spill;
   torch::Tensor resident, req_to_token, logical_to_device;  // all empty: residency off
   torch::Tensor slot_history, reuse_levels;  // both empty: LRU
   int64_t block, copiers;
@@ -101,6 +115,11 @@ void run_resolve(const Args& a) {
   p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
   p.flat_host = ptr<int64_t>(a.flat_host);
   p.flat_dev = ptr<int32_t>(a.flat_dev);
+  if (hisparse::kPlanSpills<kB, kTopK, false> || hisparse::kPlanSpills<kB, kTopK, true>) {  // the host wrapper's check
+    TORCH_CHECK(a.spill.numel() >= num_reqs * int64_t(hisparse::PlanSpill<kTopK>::kBytes),
+                "the spill buffer must hold num_reqs slices of ", hisparse::PlanSpill<kTopK>::kBytes, " B");
+    p.spill = reinterpret_cast<uint8_t*>(a.spill.data_ptr());
+  }
   p.spin_timeout_ns = 60'000'000'000ull;
   const int64_t copiers = kSkipIO ? 0 : (a.copiers >= 0 ? a.copiers : 3);
   if (reuse) {
@@ -150,6 +169,7 @@ const std::map<Key, ResolveFn>& table() {
       HISPARSE_EMU_CONFIG(1152, 32, 32), HISPARSE_EMU_CONFIG(656, 32, 32),  HISPARSE_EMU_CONFIG(1152, 64, 32),
       HISPARSE_EMU_CONFIG(656, 64, 32),  HISPARSE_EMU_CONFIG(1152, 64, 64), HISPARSE_EMU_CONFIG(656, 64, 64),
       HISPARSE_EMU_CONFIG(1152, 256, 64), HISPARSE_EMU_CONFIG(656, 256, 64),
+      HISPARSE_EMU_CONFIG(1152, 40, 16),  HISPARSE_EMU_CONFIG(656, 96, 48),  // spilled (see kPlanSpills above)
   };
   return t;
 }
@@ -167,12 +187,12 @@ void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor top
              torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
              torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
              torch::Tensor resident, torch::Tensor req_to_token, torch::Tensor logical_to_device,
-             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor state, torch::Tensor flat_host, torch::Tensor flat_dev, int64_t block, int64_t copiers,
-             bool concurrent) {
+             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor state, torch::Tensor flat_host,
+             torch::Tensor flat_dev, torch::Tensor spill, int64_t block, int64_t copiers, bool concurrent) {
   const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
   TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
   it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
-                  plan_dev, plan_counts, counters, state, flat_host, flat_dev, resident, req_to_token,
+                  plan_dev, plan_counts, counters, state, flat_host, flat_dev, spill, resident, req_to_token,
                   logical_to_device, slot_history, reuse_levels, block, copiers, concurrent});
 }
 
@@ -191,12 +211,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("resolve", &resolve);
   m.def("replay", &replay);
   m.def("configs", &configs);
-  m.def("planner_smem_bytes", [](int64_t B, int64_t K, bool reuse) -> int64_t {
-    if (B == 256 && K == 64) return reuse ? PlanLayout<256, 64, true>::kBytes : PlanLayout<256, 64>::kBytes;
-    if (B == 64 && K == 32) return reuse ? PlanLayout<64, 32, true>::kBytes : PlanLayout<64, 32>::kBytes;
-    if (B == 13 && K == 5) return reuse ? PlanLayout<13, 5, true>::kBytes : PlanLayout<13, 5>::kBytes;
-    if (B == 4096 && K == 2048) return reuse ? PlanLayout<4096, 2048, true>::kBytes : PlanLayout<4096, 2048>::kBytes;
-    if (B == 8192 && K == 2048) return reuse ? PlanLayout<8192, 2048, true>::kBytes : PlanLayout<8192, 2048>::kBytes;
-    return -1;
+  // The layouts the Python mirrors (resolver/cuda.py) are checked against: (bytes, spills).
+  m.def("planner_layout", [](int64_t B, int64_t K, bool reuse) -> std::tuple<int64_t, bool> {
+#define HISPARSE_EMU_LAYOUT(b, k)                                                                  \
+  if (B == b && K == k)                                                                            \
+    return reuse ? std::tuple<int64_t, bool>{PlanLayout<b, k, true>::kBytes, hisparse::kPlanSpills<b, k, true>} \
+                 : std::tuple<int64_t, bool>{PlanLayout<b, k>::kBytes, hisparse::kPlanSpills<b, k>};
+    HISPARSE_EMU_LAYOUT(256, 64)
+    HISPARSE_EMU_LAYOUT(64, 32)
+    HISPARSE_EMU_LAYOUT(13, 5)
+    HISPARSE_EMU_LAYOUT(4096, 2048)
+    HISPARSE_EMU_LAYOUT(8192, 2048)
+    HISPARSE_EMU_LAYOUT(17000, 2048)
+    HISPARSE_EMU_LAYOUT(9108, 4096)
+    HISPARSE_EMU_LAYOUT(12000, 4096)
+    HISPARSE_EMU_LAYOUT(8192, 6144)
+    HISPARSE_EMU_LAYOUT(10240, 8192)
+#undef HISPARSE_EMU_LAYOUT
+    return {-1, false};
   }, pybind11::arg("B"), pybind11::arg("K"), pybind11::arg("reuse") = false);
+  m.def("planner_spill_bytes", [](int64_t K) -> int64_t {
+    if (K == 16) return hisparse::PlanSpill<16>::kBytes;
+    if (K == 2048) return hisparse::PlanSpill<2048>::kBytes;
+    if (K == 6144) return hisparse::PlanSpill<6144>::kBytes;
+    if (K == 8192) return hisparse::PlanSpill<8192>::kBytes;
+    return -1;
+  }, pybind11::arg("K"));
 }

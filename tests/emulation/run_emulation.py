@@ -66,7 +66,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
     pool = HostPool(8 << 20, dev, pin=False, seed=seed)
     kbuf = torch.empty(16 << 20, dtype=torch.uint8)
     rbuf = torch.empty(16 << 20, dtype=torch.uint8)
-    ws = rcuda.make_workspace(24, dev, top_k=64)
+    ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
     configs = emu.configs()
     rng = random.Random(seed)
     e64 = torch.empty(0, dtype=torch.int64)
@@ -92,6 +92,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
             ctr if ctr is not None else e64,
             kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
             kw.get("slot_history", e16), kw.get("reuse_levels", e8), ws.state, ws.flat_host_rows, ws.flat_device_rows,
+            ws.planner_spill,
             block, -1 if spec.num_copiers is None else spec.num_copiers, concurrent,
         )
         resolve_batched(**case.ref_kwargs())
