@@ -53,6 +53,10 @@ FRAGMENTS = [
     ("gpu_run38/spec_f18.json", None),
     ("gpu_run39/fp8_f18.json", None),
     ("gpu_run39/spec_up.json", None),  # SGLang's own HiSparse with MTP: dies at start-up
+    # tenth session: three draft tokens (N = 4, the kernel's spilled planner), forced acceptance, FP8 + MTP
+    ("gpu_run42/spec3_exact.json", None),
+    ("gpu_run43/spec3_forced.json", None),
+    ("gpu_run44/spec3_fp8.json", None),  # the call's second job (spec1_forced.json) was skipped: time budget
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -126,6 +130,17 @@ DEVICE_CALLS = {
     "gpu_run39": "bash scripts/gpu/run.sh e2e exactness --kv-dtype fp8_e4m3 --no-overlap --wait-for-staging --configs "
                  "ours:4096:F18:arrival --budget-s 290 --out $OUT/fp8_f18.json + e2e exactness --model tiny-dsa-mtp "
                  "--spec-steps 1 --no-overlap --configs upstream:6144:F18:arrival --budget-s 230 --out $OUT/spec_up.json",
+    "gpu_run42": "HISPARSE_VERIFY_SUITE_LIMIT_S=400 bash scripts/gpu/run.sh bg verify + e2e exactness --model "
+                 "tiny-dsa-mtp --spec-steps 3 --no-overlap --wait-for-staging --configs ours:10240:F18:arrival "
+                 "--budget-s 520 --out $OUT/spec3_exact.json   (HISPARSE_PACK_JIT=0)",
+    "gpu_run43": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-mtp --spec-steps 3 --no-overlap "
+                 "--wait-for-staging --accept-all --configs ours:10240:F18:arrival --budget-s 470 "
+                 "--out $OUT/spec3_forced.json   (HISPARSE_PACK_JIT=0; same machine as gpu_run42, warm)",
+    "gpu_run44": "bash scripts/gpu/run.sh e2e exactness --model tiny-dsa-mtp --kv-dtype fp8_e4m3 --spec-steps 3 "
+                 "--no-overlap --wait-for-staging --configs ours:10240:F18:arrival --budget-s 230 "
+                 "--out $OUT/spec3_fp8.json + e2e exactness --model tiny-dsa-mtp --spec-steps 1 --no-overlap "
+                 "--wait-for-staging --accept-all --configs ours:6144:F18:arrival --budget-s 220 "
+                 "--out $OUT/spec1_forced.json   (HISPARSE_PACK_JIT=0; same machine, warm)",
     "gpu_run21": "bash scripts/gpu/run.sh e2e exactness --configs ours:2048:F18 --budget-s 400 --out "
                  "$OUT/exact_f18_2048.json + e2e exactness --configs ours:2048:0:lockstep --no-overlap "
                  "--wait-for-staging --budget-s 400 --out $OUT/exact_lockstep_2048.json + e2e throughput --impls ours "
@@ -209,6 +224,8 @@ def main() -> int:
             keep["speculative"] = row.get("speculative")
             if row.get("accept_length") is not None:
                 keep["accept_length"] = row["accept_length"]  # tokens per verify step, mean over sequences
+            if row.get("forced_acceptance"):  # every server committed every draft (e2e.py --accept-all)
+                keep["forced_acceptance"] = True
             report = row.get("idle_report")
             if report:
                 keep["pools_back_to_initial"] = not report["leak"]

@@ -41,6 +41,9 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("gpu_run34/sweep_reuse2.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --points "
                                     "ours_reuse:realistic --concurrency 32 --repeats 1 --budget-s 230 --level-margin-s 30 "
                                     "--out $OUT/sweep_reuse2.json (same machine as gpu_run33, next call)"),
+    ("gpu_run41/sweep_mtp.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width-mtp --spec-steps 1 "
+                                 "--points none:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 555 "
+                                 "--level-margin-s 60 --out $OUT/sweep_mtp.json"),
 ]
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
@@ -60,17 +63,19 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
         labels = LOCALITY_LABELS.get(run, {})
         for row in data["rows"]:
             key = (data["model"], row["impl"], labels.get(row["locality"], row["locality"]), row["concurrency"],
-                   data.get("kv_dtype", "bfloat16"))  # fragments before the fp8 option are bf16
+                   data.get("kv_dtype", "bfloat16"),  # fragments before the fp8 option are bf16
+                   data.get("speculative"))  # and those before speculation ran without it
             entry = pooled.setdefault(key, {"runs": [], "runs_from": [], "context": data["context"]})
             entry["runs"] += row["runs"]
             entry["runs_from"].append(run)
         for t in data.get("layer_timing", []):
             timing.append(t | {"model": data["model"], "layers": data["layers"], "run": run})
     rows = []
-    for (model, impl, locality, concurrency, kv_dtype), entry in pooled.items():
+    for (model, impl, locality, concurrency, kv_dtype, speculative), entry in pooled.items():
         row = summarize(impl, locality, concurrency, entry["runs"], kv_dtype)
         del row["runs"]
-        rows.append(row | {"model": model, "context": entry["context"], "runs_from": entry["runs_from"]})
+        rows.append(row | {"model": model, "speculative": speculative, "context": entry["context"],
+                           "runs_from": entry["runs_from"]})
     return {"machine": MACHINE, "commands": [c for _, c in fragments], "model": HEADLINE_MODEL, "rows": rows,
             "layer_timing": timing}
 
