@@ -136,3 +136,33 @@ def test_a_pool_built_as_resident_is_indexed_by_logical_id():
     assert torch.equal(draft.kv_buffer[0][loc, 0], row)
     with pytest.raises(AssertionError, match="indexed by logical id"):
         draft.attach_mapping(torch.zeros(4, dtype=torch.int64))
+
+
+def test_the_resident_draft_pool_states_its_memory(caplog):
+    """The draft seam builds the draft worker's pool resident and logs its KV bytes and the
+    bytes beyond the rows SGLang's memory profile planned (the device rows it passed)."""
+    import logging
+    from types import SimpleNamespace
+
+    from sglang_hisparse.patches import draft_runner
+
+    kwargs = dict(page_size=PAGE, kv_lora_rank=KV_LORA, dtype=torch.float32, qk_rope_head_dim=ROPE, layer_num=1,
+                  device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=DIM,
+                  host_to_device_ratio=4)
+    built = []
+
+    def original(configurator, *, max_total_num_tokens):
+        built.append(HiSparseDevicePool(max_total_num_tokens, **kwargs))
+        return built[-1]
+
+    draft = SimpleNamespace(is_draft_worker=True, server_args=SimpleNamespace(enable_hisparse=True))
+    with caplog.at_level(logging.INFO, logger=draft_runner.__name__):
+        pool = draft_runner.build_dsa_pool(original, draft, max_total_num_tokens=PAGE * 64)
+    assert pool is built[0] and pool.resident
+    kv = pool.get_kv_size_bytes()
+    assert pool.size == 4 * PAGE * 64 and kv >= pool.size * DIM * 4  # float32 rows, one per logical id
+    line = caplog.records[-1].getMessage()
+    assert f"{pool.size} rows x 1 layer(s), {kv / (1 << 30):.2f} GiB (KV and indexer keys)" in line
+    assert f"planned {PAGE * 64} rows, so {(kv - kv * PAGE * 64 // pool.size) / (1 << 30):.2f} GiB more" in line
+    target = SimpleNamespace(is_draft_worker=False, server_args=SimpleNamespace(enable_hisparse=True))
+    assert not draft_runner.build_dsa_pool(original, target, max_total_num_tokens=PAGE * 4).resident
