@@ -9,7 +9,8 @@
 //   blockIdx.x <  num_reqs            planner CTA of request blockIdx.x (padded rows exit early)
 //   blockIdx.x >= num_reqs            copier CTA (only when num_copiers > 0 and not SkipIO)
 //
-// Planner stages (one CTA per request, all state in shared memory). A resident request (residency
+// Planner stages (one CTA per request, all state in shared memory; a configuration too large for it
+// keeps its top-k-sized arrays in a per-request global spill slice instead: PlanSpill). A resident request (residency
 // tables passed, resident[r] != 0) and then a short one (seq_len <= B) leave after S0's top-k row
 // with their rows looked up directly (resolve_resident / the fast path): no IO, no table change.
 //   S0  stage the request's rows (top-k, slot tokens, LRU, hot locs) into smem with cp.async
@@ -151,7 +152,8 @@ struct PlanLayoutOf {
 };
 
 // Whether a planner spills: its whole layout does not fit one CTA's shared memory. Decided at
-// compile time per (B, top_k, policy); with top_k 2048 only a verify union of N >= 3 rows spills.
+// compile time per (B, top_k, policy). LRU at top_k 2048: one row spills above B = 16011, a verify
+// union of 2 rows above B = 9108, a union of 3 rows or more at every B.
 template <int kB, int kTopK, bool kReuse = false>
 inline constexpr bool kPlanSpills = PlanLayoutOf<kB, kTopK, kReuse, false>::kBytes > kMaxSmemBytes;
 

@@ -130,6 +130,28 @@ def test_decode_trace_is_run_length_of_batch_sizes():
     assert decode_log.decode_trace(decode_log.parse_batches(log)) == "1x1 17x2 1x1"
 
 
+def test_the_decode_trace_is_read_after_a_one_token_request_settles_the_log():
+    """SGLang answers a decode step before it logs the step: the trace is read only after a
+    one-token request (a prefill, no decode step) was answered, which the scheduler runs after
+    logging every step already answered."""
+    import e2e
+
+    events = []
+
+    class Server:
+        def generate(self, input_ids, max_new_tokens, **kw):
+            events.append(("generate", len(input_ids), max_new_tokens))
+            return {"output_ids": [7]}
+
+        def log(self):
+            events.append(("log",))
+            return "Decode batch, #running-req: 3, gen throughput (token/s): 9.0\n"
+
+    text = e2e.settled_log(Server())
+    assert events == [("generate", 4, 1), ("log",)]
+    assert decode_log.decode_trace(decode_log.parse_batches(text)) == "3x1"
+
+
 def test_throughput_run_splits_into_levels_by_prefilled_tokens():
     context = 10
     warmup = [_prefill(4), _decode(1, 10.0), _decode(1, 10.0)]

@@ -808,3 +808,20 @@ def test_a_bound_resolvers_kernel_check_becomes_a_value_error(monkeypatch):
     raised.append(RuntimeError("CUDA error: an illegal memory access was encountered"))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         resolve(*(kw[k] for k in batch))
+
+
+@pytest.mark.parametrize("query_rows, B, spills", [(1, 4096, False), (2, 6144, False), (4, 10240, True)])
+def test_a_servers_resolver_allocates_the_spill_buffer_its_verify_width_needs(monkeypatch, caplog, query_rows, B,
+                                                                              spills):
+    """make_resolver sizes the workspace for the verify union's width and adds (and logs) the
+    spill buffer exactly when that width's planner spills: 4 rows of 2048 at B = 10240 do."""
+    from sglang_hisparse.config import HiSparseConfig
+
+    monkeypatch.setattr(dispatch, "platform_of", lambda device: H200)
+    config = HiSparseConfig(top_k=2048, device_buffer_size=B, query_rows=query_rows, resolver="cuda")
+    with caplog.at_level(logging.INFO, logger=dispatch.__name__):
+        resolver = dispatch.make_resolver(config, "cpu", max_reqs=3, top_k=2048)
+    workspace = resolver._replay.keywords["workspace"]
+    assert workspace.top_k == query_rows * 2048
+    assert workspace.planner_spill.numel() == (3 * cuda.planner_spill_bytes(query_rows * 2048) if spills else 0)
+    assert ("keeps the resolve planner's top-k-sized arrays in global memory" in caplog.text) == spills

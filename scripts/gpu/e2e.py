@@ -240,6 +240,17 @@ def digests(outputs: dict) -> dict[str, str | None]:
             if isinstance(v, dict) and "output_ids" in v else None for k, v in sorted(outputs.items())}
 
 
+def settled_log(server) -> str:
+    """The server's log once every step of the requests answered so far is in it. SGLang streams a
+    decode step's outputs before it logs that step's "Decode batch" line (``process_batch_result_decode``:
+    ``stream_output`` then ``report_decode_stats``), so a client can hold its last token while the
+    last line is not yet written. A one-token request runs its prefill (and no decode step) in a
+    later scheduler iteration than any step already answered, so once it is answered those lines
+    are in the log; it adds a prefill line and no decode line."""
+    server.generate(prompts([4], seed=0)[0], 1)
+    return server.log()
+
+
 def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, log_suffix: str = ""
                  ) -> tuple[dict, object, str]:
     """Run one workload on a fresh server: (outputs by name, our idle report or None, decode trace:
@@ -261,7 +272,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
         outputs = (lockstep_workload if workload == "lockstep" else exactness_workload)(server, args.new_tokens)
         print(f"[e2e] {tag}: workload {time.time() - t:.0f}s", flush=True)
         report = wait_for_idle_report(server, after=before) if impl in OURS else None
-        return outputs, report, decode_trace(parse_batches(server.log()))
+        return outputs, report, decode_trace(parse_batches(settled_log(server)))
     finally:
         server.stop()
 
@@ -369,7 +380,7 @@ def throughput(args) -> dict:
                     rep = wait_for_idle_report(server, after=before)
                     miss_rate = rep["misses"] / rep["selected"] if rep["selected"] else None
                 else:
-                    time.sleep(1.0)  # the last step's log line
+                    settled_log(server)  # the last step's log line (ours: its idle report comes after it)
                 row = {"impl": impl, "concurrency": c, "context": args.context,
                        **decode_stats(parse_batches(server.log()[log_before:])),
                        "client_decode_tok_s": c * (args.new_tokens - 1) / decode_s,

@@ -64,7 +64,7 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
     if ours:
         wait_for_idle_report(server, after=reports)  # publishes exact totals
     else:
-        time.sleep(1.0)  # the last step's log line
+        e2e.settled_log(server)  # the last step's log line (ours: its idle report comes after it)
     run = decode_stats(parse_batches(server.log()[log_start:]))
     accept = e2e.accept_length(dict(enumerate(results)))
     if accept is not None:

@@ -83,8 +83,9 @@ def _layout_bytes(B: int, K: int, reuse: bool, spilled: bool) -> int:
 def planner_spills(device_buffer_size: int, top_k: int, reuse: bool = False) -> bool:
     """Whether the planner of this configuration keeps its top-k-sized arrays (selection map,
     victims, hash table, host rows) in a global spill slice per request because the whole layout
-    does not fit :data:`MAX_SMEM_BYTES`; mirrors ``kPlanSpills`` in ``kernels/resolve.cuh``. At
-    top_k 2048 only a verify union of N >= 3 rows (or B > 16011) spills."""
+    does not fit :data:`MAX_SMEM_BYTES`; mirrors ``kPlanSpills`` in ``kernels/resolve.cuh``. LRU at
+    top_k 2048: one row spills above B = 16011, a verify union of 2 rows above B = 9108, a union
+    of 3 rows or more at every B."""
     return _layout_bytes(device_buffer_size, top_k, reuse, spilled=False) > MAX_SMEM_BYTES
 
 

@@ -159,9 +159,9 @@ def make_resolver(config, device: Union[torch.device, str], max_reqs: int, top_k
         spill = cuda_resolver.planner_spills(config.device_buffer_size, width, config.replacement == "reuse")
         workspace = cuda_resolver.make_workspace(max_reqs, device, top_k=width, spill=spill)
         if spill:
-            logger.info("sglang-hisparse: B=%d with a verify union of %d positions keeps the resolve planner's "
-                        "top-k-sized arrays in global memory (%.1f MB of spill slices for %d requests)",
-                        config.device_buffer_size, width,
+            logger.info("sglang-hisparse: B=%d with rows of %d positions (top_k x %d query rows) keeps the resolve "
+                        "planner's top-k-sized arrays in global memory (%.1f MB of spill slices for %d requests)",
+                        config.device_buffer_size, width, config.query_rows,
                         max_reqs * cuda_resolver.planner_spill_bytes(width) / 2**20, max_reqs)
 
         def warmup(row_bytes: int, device_buffer_size: int, top_k_: int) -> None:
