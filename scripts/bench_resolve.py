@@ -73,7 +73,7 @@ def n_misses(miss_frac: float) -> int:
 class Bench:
     """Shared buffers: the pinned host pool, device KV, L2 flush buffer, workspace."""
 
-    def __init__(self, max_batch: int, reps: int, warmup: int) -> None:
+    def __init__(self, max_batch: int, reps: int, warmup: int, buffer_sizes: tuple[int, ...] = BS) -> None:
         self.dev = torch.device("cuda")
         self.reps = reps
         self.warmup = warmup
@@ -91,10 +91,12 @@ class Bench:
         torch.cuda.synchronize()
         log(f"[bench] pinned {host_bytes / 2**30:.1f} GiB host KV in {time.time() - t0:.1f}s; "
             f"L2 {l2 >> 20} MiB, flush buffer {self.flush.numel() >> 20} MiB")
-        dev_bytes = max_batch * (max(BS) + 1) * max(ITEMS)
+        dev_bytes = max_batch * (max(buffer_sizes) + 1) * max(ITEMS)
         self.device_flat = torch.empty(dev_bytes, dtype=torch.uint8, device=self.dev)
         self.device_flat.random_(0, 256)
-        self.ws = rcuda.make_workspace(max_batch, self.dev, top_k=TOP_K)
+        # B above the shared-memory layout's limit (16011 LRU at top_k 2048): the spilled planner
+        spill = any(rcuda.planner_spills(B, TOP_K, reuse) for B in buffer_sizes for reuse in (False, True))
+        self.ws = rcuda.make_workspace(max_batch, self.dev, top_k=TOP_K, spill=spill)
 
     def time_call(self, call: Callable[[], None], restore: Callable[[], None], mode: str = "graph") -> list[float]:
         """Per-call microseconds of `call`, each after restore + L2 flush + a GPU spin.
@@ -291,7 +293,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     upstream, upstream_note = load_upstream()
     log(f"[bench] upstream: {upstream_note}")
     stage_batches = [cell[0] for cell in STAGE_CLOCK_CELLS] if args.stage_clock else []
-    bench = Bench(max(args.batches + stage_batches), args.reps, args.warmup)
+    bench = Bench(max(args.batches + stage_batches), args.reps, args.warmup, tuple(args.Bs) + BS)
     rows: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     skipped: list[str] = []
