@@ -290,7 +290,7 @@ def load_upstream() -> tuple[Optional[Callable[..., None]], str]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.time()
     deadline = start + args.budget_s
-    upstream, upstream_note = load_upstream()
+    upstream, upstream_note = load_upstream() if args.upstream else (None, "not run (--no-upstream)")
     log(f"[bench] upstream: {upstream_note}")
     stage_batches = [cell[0] for cell in STAGE_CLOCK_CELLS] if args.stage_clock else []
     bench = Bench(max(args.batches + stage_batches), args.reps, args.warmup, tuple(args.Bs) + BS)
@@ -592,6 +592,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--misses", type=float, nargs="+", default=list(MISSES))
     parser.add_argument("--no-sweep", dest="sweep", action="store_false")
+    parser.add_argument("--no-upstream", dest="upstream", action="store_false",
+                        help="leave SGLang's kernel out (e.g. at a B it was not built for)")
     parser.add_argument("--no-reuse", dest="reuse", action="store_false",
                         help="leave out ours_reuse (the reuse-table policy's kernel) from the grid")
     parser.add_argument("--timing", nargs="+", choices=("graph", "eager"), default=["graph", "eager"],
