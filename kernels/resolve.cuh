@@ -554,7 +554,7 @@ __device__ __forceinline__ void resolve_resident(
 
 // Arrays of a planner CTA: PlanLayout's offsets applied to the CTA's dynamic smem. The hash table
 // (S1-S2) and the new LRU row + host rows (S5-S6) share PlanLayout's union region. A spilling
-// planner (`spilled`) has its top-k-sized arrays in its PlanSpill slice and reads the top-k row in
+// planner (`kSpilled`) has its top-k-sized arrays in its PlanSpill slice and reads the top-k row in
 // place; the stages index them alike (generic addresses), only cp.async needs shared memory.
 template <int kB, int kTopK, bool kReuse>
 struct PlanSmem {
@@ -578,7 +578,7 @@ struct PlanSmem {
   int32_t* histo;       // [64]      kReuse: S3 evictables per level
   uint32_t* lessmask;   // [kBGroups] kReuse: S4b ballots, read in S5
   uint32_t* eqmask;     // [kBGroups]
-  bool spilled;         // the top-k-sized arrays are in global memory (kPlanSpills)
+  static constexpr bool kSpilled = kPlanSpills<kB, kTopK, kReuse>;  // top-k-sized arrays in global memory
 
   // `spill`: request i's slice of the workspace spill buffer, `topk_row`: its input top-k row
   // (both read only when the configuration spills).
@@ -603,8 +603,7 @@ struct PlanSmem {
     histo = reinterpret_cast<int32_t*>(smem + Lay::kHistoOff);
     lessmask = reinterpret_cast<uint32_t*>(smem + Lay::kLessMaskOff);
     eqmask = reinterpret_cast<uint32_t*>(smem + Lay::kEqMaskOff);
-    spilled = kPlanSpills<kB, kTopK, kReuse>;
-    if constexpr (kPlanSpills<kB, kTopK, kReuse>) {
+    if constexpr (kSpilled) {
       using Sp = PlanSpill<kTopK>;
       topk = const_cast<int32_t*>(topk_row);  // read only
       sel = reinterpret_cast<int32_t*>(spill + Sp::kSelOff);
@@ -994,7 +993,7 @@ __device__ __forceinline__ void rank_and_gather(
       const int m = run + __popc(mask & t.lanes_below);
       sm.sel[j] = -2 - m;  // miss code
       if (need_host_rows && m < c.M_eff) {
-        if (sm.spilled) {
+        if constexpr (kPlanSpills<kB, kTopK, kReuse>) {
           sm.hostrow[m] = rq.host_loc_row[sm.topk[j]];  // global to global: no cp.async
         } else {
           cp_async8(sm.hostrow + m, rq.host_loc_row + sm.topk[j]);
@@ -1116,8 +1115,9 @@ template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i, unsigned char* smem) {
   const int32_t* topk_row = p.topk + static_cast<int64_t>(i) * p.topk_stride;
   unsigned char* spill = nullptr;
-  if constexpr (kPlanSpills<kB, kTopK, kReuse>) spill = p.spill + static_cast<int64_t>(i) * PlanSpill<kTopK>::kBytes;
-  const PlanSmem<kB, kTopK, kReuse> sm(smem, spill, topk_row);
+  using Smem = PlanSmem<kB, kTopK, kReuse>;
+  if constexpr (Smem::kSpilled) spill = p.spill + static_cast<int64_t>(i) * PlanSpill<kTopK>::kBytes;
+  const Smem sm(smem, spill, topk_row);
   const PlanThread t = plan_thread();
   const bool copier_mode = !kSkipIO && (static_cast<int>(gridDim.x) > p.num_reqs);
   int32_t* out_row = p.out + static_cast<int64_t>(i) * p.out_stride;
@@ -1125,7 +1125,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   // ---- S0: the top-k row and the request's scalars do not depend on the request's tables (nor
   // on num_real_reqs): start them first, so that their DRAM round trip overlaps the load of
   // num_real_reqs. A padded row only reads (rows < num_reqs exist) and then exits. ----
-  if (!sm.spilled) stage_row(sm.topk, topk_row, kTopK, t.tid, t.nt);
+  if constexpr (!Smem::kSpilled) stage_row(sm.topk, topk_row, kTopK, t.tid, t.nt);
   const int64_t r = load_index(p.req_pool_indices, p.rpi_is_i64 != 0, i);
   const int64_t L = load_index(p.seq_lens, p.seq_is_i64 != 0, i);
   if (i >= p.num_real_reqs[0]) {  // CTA-uniform: padded CUDA-graph row, writes nothing

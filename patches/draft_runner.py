@@ -47,8 +47,9 @@ def build_dsa_pool(original: Callable[..., Any], configurator: Any, *args: Any, 
 
 def resident_draft_pool_line(pool: Any, planned_rows: Optional[int]) -> str:
     """The start-up line of a resident draft pool: its rows (one per logical id), layers and bytes
-    (``get_kv_size_bytes``: KV and indexer keys), and the bytes beyond what SGLang's memory profile planned for ``planned_rows`` rows
-    (the device rows it passed), which no other line of SGLang or ours counts."""
+    (``get_kv_size_bytes``: KV and indexer keys), and the bytes beyond what SGLang's memory profile
+    planned for ``planned_rows`` rows (the device rows it passed), which no other line of SGLang or
+    ours counts."""
     kv_bytes = pool.get_kv_size_bytes()
     gib = 1 << 30
     line = (f"sglang-hisparse: the draft model's KV pool is resident (a row per logical id, no hot buffers): "

@@ -6,8 +6,8 @@ racecheck). Cases and the oracle are computed on the CPU and only copied to the 
 sanitizer instruments almost nothing but our kernels. Covers block sizes 32 .. 1024, both item
 sizes, plan recording and replay, skip-IO, fast-path and padded rows, resident requests mixed with
 hot-buffer ones (uint8 and bool flags), copier CTAs automatic, none (planners copy) and few, and
-spilling planners (a verify union of 3 and 4 rows of 2048: top-k-sized arrays in global memory). Every launch is also compared with the oracle. Exit status 1 on a
-mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py, or ``--build-only``
+spilling planners (a verify union of 3 and 4 rows of 2048: top-k-sized arrays in global memory).
+Every launch is also compared with the oracle. Exit status 1 on a mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py, or ``--build-only``
 first, outside the sanitizer: it builds this script's modules and exits).
 """
 

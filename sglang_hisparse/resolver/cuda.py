@@ -56,12 +56,17 @@ def _align16(x: int) -> int:
     return (x + 15) & ~15
 
 
+def _hash_entries(top_k: int) -> int:
+    """Entries of a planner's hash table: next_pow2(4 * top_k), load factor <= 1/4 (``kHash``)."""
+    entries = 1
+    while entries < 4 * top_k:
+        entries <<= 1
+    return entries
+
+
 def _layout_bytes(B: int, K: int, reuse: bool, spilled: bool) -> int:
     """``PlanLayoutOf<B, K, reuse, spilled>::kBytes`` in ``kernels/resolve.cuh``."""
-    hash_size = 1
-    while hash_size < 4 * K:  # load factor <= 1/4
-        hash_size <<= 1
-    k, h = (0, 0) if spilled else (K, hash_size)  # a spilled layout holds no top-k-sized array
+    k, h = (0, 0) if spilled else (K, _hash_entries(K))  # a spilled layout holds no top-k-sized array
     off = _align16(4 * k)  # top-k positions
     off = _align16(off + 4 * k)  # selection -> slot / miss code
     off = _align16(off + 4 * B)  # slot tokens -> selection
@@ -101,9 +106,7 @@ def planner_spill_bytes(top_k: int) -> int:
     """Bytes of one request's spill slice (``PlanSpill<top_k>::kBytes``): int32 selection map,
     int16 victims, miss ballots, int32 + int16 hash of next_pow2(4 * top_k) entries, int64 host
     rows; 128-byte aligned. 312,320 B at top_k 8192 (a 4-row verify union of 2048)."""
-    hash_size = 1
-    while hash_size < 4 * top_k:
-        hash_size <<= 1
+    hash_size = _hash_entries(top_k)
     off = _align16(4 * top_k)  # selection map
     off = _align16(off + 2 * top_k)  # victims
     off = _align16(off + 4 * ((top_k + 31) // 32))  # miss ballots
@@ -404,7 +407,8 @@ def _validate_static(
         plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32, counters if counters is not None else e64,
         resident, req_to_token, logical_to_device, slot_history, levels, workspace.state, workspace.flat_host_rows,
-        workspace.flat_device_rows, workspace.planner_spill, block, -1 if num_copiers is None else int(num_copiers), spin_timeout_ns(),
+        workspace.flat_device_rows, workspace.planner_spill, block, -1 if num_copiers is None else int(num_copiers),
+        spin_timeout_ns(),
     )
     return _Static(item_bytes, bool(skip_io), reuse is not None, (hot_locs, slot_tokens, lru, host_locs, host_kv,
                                                                   device_kv), extras)
