@@ -1698,55 +1698,14 @@ int64_t resolve_prepare(int64_t block) {
   return a;
 }
 
-// Resolve one layer (see the file header), every argument checked on every call (bind + launch
-// below split this for servers). Plan / counters / residency are absent when their tensors are
-// empty (residency: resident uint8/bool [>= table rows], req_to_token int32 [>= table rows,
-// max_context] with contiguous columns, logical_to_device int64 [logical ids]). num_copiers < 0:
-// automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner copies its own
-// misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table policy, which
-// needs slot_history and reuse_levels (the LRU one refuses them).
-template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
-void resolve(
-    TensorView topk,
-    TensorView seq_lens,
-    TensorView req_pool_indices,
-    TensorView hot_locs,
-    TensorView slot_tokens,
-    TensorView lru,
-    TensorView host_locs,
-    TensorView host_kv,
-    TensorView device_kv,
-    TensorView out,
-    TensorView num_real_reqs,
-    TensorView plan_host,
-    TensorView plan_dev,
-    TensorView plan_counts,
-    TensorView counters,
-    TensorView resident,
-    TensorView req_to_token,
-    TensorView logical_to_device,
-    TensorView slot_history,
-    TensorView reuse_levels,
-    TensorView ws_state,
-    TensorView ws_flat_host,
-    TensorView ws_flat_dev,
-    TensorView ws_spill,
-    int64_t block,
-    int64_t num_copiers,
-    int64_t spin_timeout_ns) {
-  // Checked before the tables so that a bad batch is named first (launch_bound checks it again).
-  host::RuntimeCheck(topk.ndim() == 2 && detail::is_int(topk.dtype(), 32) && topk.size(1) == kTopK,
-                     "hisparse: top_k_positions must be int32 [num_reqs, ", kTopK, "]");
-  const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
-      hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
-      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
-      ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
-  detail::launch_bound<kItemBytes, kB, kTopK, kSkipIO, kReuse>(b, topk, seq_lens, req_pool_indices, out);
-}
-
-// resolve's unchanging arguments (same order, without the batch's four tensors), checked once and
-// written into `bound` (a CPU uint8 [>= kBoundBytes] tensor the caller keeps and passes to
-// resolve_launch). The bound tensors must outlive every launch with it, at the same addresses.
+// Bind one layer: its unchanging arguments, checked once and written into `bound` (a CPU uint8
+// [>= kBoundBytes] tensor the caller keeps and passes to resolve_launch). The bound tensors must
+// outlive every launch with it, at the same addresses. Plan / counters / residency are absent when
+// their tensors are empty (residency: resident uint8/bool [>= table rows], req_to_token int32
+// [>= table rows, max_context] with contiguous columns, logical_to_device int64 [logical ids]).
+// num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
+// copies its own misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table
+// policy, which needs slot_history and reuse_levels (the LRU one refuses them).
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 void resolve_bind(
     TensorView bound,

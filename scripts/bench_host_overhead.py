@@ -24,10 +24,10 @@ from sglang_hisparse.resolver import jit  # noqa: E402
 
 
 class _NoOpModule:
-    def resolve(self, *args) -> None:
+    def bind(self, *args) -> None:
         pass
 
-    resolve_skip_io = bind = bind_skip_io = launch = launch_skip_io = resolve
+    bind_skip_io = launch = launch_skip_io = bind
 
 
 def per_call_us(batch: int, bound: bool, calls: int = 3000, B: int = 4096, K: int = 2048, table_rows: int = 64) -> float:

@@ -341,18 +341,16 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
 
 
 def _record_skip_io_launches(monkeypatch, policies: Optional[list] = None) -> list:
-    """Replace the kernel module by one whose skip-IO entry points record their arguments, each
-    call as the argument tuple of the one-call entry point (``resolve_skip_io``): a bound layer's
-    ``launch_skip_io`` call is recorded as its batch merged with what ``bind_skip_io`` received
-    for the same parameter tensor. ``policies`` (when given) receives the ``reuse`` flag of every
-    module lookup."""
+    """Replace the kernel module by one whose skip-IO entry points record their arguments: each
+    ``launch_skip_io`` call is recorded as one tuple in the kernel's parameter order (27 entries:
+    the batch's top-k, seq_lens and request indices, the six tables, out, then what ``bind_skip_io``
+    received after the tables for the same parameter tensor). The module has no copying entry
+    points, so a call that picks one fails. ``policies`` (when given) receives the ``reuse`` flag
+    of every module lookup."""
     calls = []
     bound: dict = {}
 
     class FakeModule:
-        def resolve_skip_io(self, *args):
-            calls.append(args)
-
         def bind_skip_io(self, params, *args):
             assert params.dtype == torch.uint8 and params.device.type == "cpu"
             assert params.numel() == cuda.BOUND_BYTES
@@ -378,11 +376,14 @@ def test_validated_tables_are_not_rechecked_but_changed_ones_are(monkeypatch):
     checked = []
     real_check = cuda._check_static_tables
     monkeypatch.setattr(cuda, "_check_static_tables", lambda *a: checked.append(1) or real_check(*a))
+    binds = []
+    real_bind = cuda._bind
+    monkeypatch.setattr(cuda, "_bind", lambda *a, **k: binds.append(1) or real_bind(*a, **k))
     monkeypatch.setattr(cuda, "_static_checked", {})
     kw = _valid_kwargs()
     for _ in range(3):
         cuda.resolve_cuda(skip_io=True, **kw)
-    assert len(calls) == 3 and len(checked) == 1
+    assert len(calls) == 3 and len(checked) == 1 and len(binds) == 1  # checked and bound once
     for change, message in (
         (dict(lru=kw["lru"].int()), "lru"),
         (dict(slot_tokens=kw["slot_tokens"][:, :31]), "B = 32"),
@@ -424,16 +425,7 @@ def test_warmup_build_logs_start_and_ready(monkeypatch, caplog):
 
 
 def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
-    calls = []
-
-    class FakeModule:
-        def resolve_skip_io(self, *args):
-            calls.append(args)
-
-        def resolve(self, *args):
-            raise AssertionError("skip_io must pick the skip-IO entry point")
-
-    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: FakeModule())
+    calls = _record_skip_io_launches(monkeypatch)  # only skip-IO entry points exist
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
@@ -489,17 +481,16 @@ def test_resolve_cuda_rejects_bad_residency_tables(change, message, monkeypatch)
 
 
 def test_int_num_real_reqs_goes_through_the_workspace_scalar(monkeypatch):
-    seen = []
-
-    class FakeModule:
-        def resolve_skip_io(self, *args):
-            seen.append(args[10])
-
-    monkeypatch.setattr(jit, "resolve_module", lambda *a, **k: FakeModule())
+    calls = _record_skip_io_launches(monkeypatch)
+    monkeypatch.setattr(cuda, "_static_checked", {})
     kw = _valid_kwargs()
-    kw["num_real_reqs"] = 2
-    cuda.resolve_cuda(skip_io=True, **kw)
-    assert seen[0].data_ptr() == kw["workspace"].resolve_num_real.data_ptr() and int(seen[0]) == 2
+    seen = []
+    for n in (2, 1):  # the second call reuses the bound layer: the scalar is rewritten, not rebound
+        kw["num_real_reqs"] = n
+        cuda.resolve_cuda(skip_io=True, **kw)
+        seen.append(int(calls[-1][10]))
+    assert calls[0][10].data_ptr() == kw["workspace"].resolve_num_real.data_ptr()
+    assert seen == [2, 1]
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
@@ -614,12 +605,13 @@ def test_kernel_source_ships_with_the_package():
 
 def test_module_names_carry_every_template_parameter():
     wrappers = dict(jit.resolve_wrappers(656, 2048, 512))
-    assert wrappers["resolve"] == "hisparse::resolve<656, 2048, 512, false, false>"
-    assert wrappers["resolve_skip_io"] == "hisparse::resolve<656, 2048, 512, true, false>"
+    assert set(wrappers) == {"bind", "bind_skip_io", "launch", "launch_skip_io", "resolve_prepare"}
+    assert wrappers["launch"] == "hisparse::resolve_launch<656, 2048, 512, false, false>"
+    assert wrappers["bind_skip_io"] == "hisparse::resolve_bind<656, 2048, 512, true, false>"
     assert wrappers["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512, false>"
     assert jit.resolve_module_name(656, 2048, 512) == "hisparse_resolve_656_2048_512"
     reuse = dict(jit.resolve_wrappers(656, 2048, 512, reuse=True))  # the policy's own module
-    assert reuse["resolve"] == "hisparse::resolve<656, 2048, 512, false, true>"
+    assert reuse["bind"] == "hisparse::resolve_bind<656, 2048, 512, false, true>"
     assert reuse["resolve_prepare"] == "hisparse::resolve_prepare<656, 2048, 512, true>"
     assert jit.resolve_module_name(656, 2048, 512, reuse=True) == "hisparse_resolve_reuse_656_2048_512"
     assert dict(jit.replay_wrappers(1152))["replay"] == "hisparse::replay<1152>"
@@ -677,24 +669,22 @@ def _hopper_build(tmp_path_factory, item_bytes: int, B: int, top_k: int):
 
 @pytest.mark.slow
 def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
-    """Calls the one-call entry points with bad arguments: the C++ checks must raise before any
-    CUDA call."""
+    """The module exports only the split form (bind + launch) and prepare; bind's C++ checks
+    raise before any CUDA call (the batch's checks at launch: the next test)."""
     module = hopper_module
-    bad = torch.zeros(3, dtype=torch.int32)
-    with pytest.raises(Exception, match="top_k_positions"):
-        module.resolve(bad, *([torch.zeros(1)] * 23), 960, -1, 0)
+    assert not hasattr(module, "resolve") and not hasattr(module, "resolve_skip_io")
+    params = torch.zeros(cuda.BOUND_BYTES, dtype=torch.uint8)
     with pytest.raises(Exception, match="block size"):
-        module.resolve_skip_io(torch.zeros(2, 64, dtype=torch.int32), *([torch.zeros(1)] * 23), 48, -1, 0)
-    topk = torch.zeros(2, 64, dtype=torch.int32)
-    rows = torch.zeros(2, dtype=torch.int64)
+        module.bind_skip_io(params, *([torch.zeros(1)] * 20), 48, -1, 0)
     tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
               torch.zeros(4, 128, dtype=torch.int16), torch.zeros(4, 300, dtype=torch.int64)]
-    rest = [torch.zeros(1)] * 8  # host_kv .. counters: checked after the residency tables
+    rest = [torch.zeros(1)] * 7  # host_kv .. counters: checked after the residency tables
     bad_flags = torch.zeros(4, dtype=torch.int32)
     with pytest.raises(Exception, match="resident"):
-        module.resolve_skip_io(topk, rows, rows, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
-                               torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
-                               torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 4), 64, -1, 0)
+        module.bind(params, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
+                    torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
+                    torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 4), 64, -1, 0)
+    assert not params.any(), "a refused bind wrote its parameters"
 
 
 @pytest.mark.slow

@@ -290,10 +290,12 @@ def _num_real_tensor(num_real_reqs: Union[int, torch.Tensor], scratch: torch.Ten
 
 
 _STATIC_MEMO_SIZE = 4096
-_static_checked: dict[tuple, int] = {}
-"""Signatures of table / KV arguments already validated -> their KV row bytes. A server passes the
-same buffers every step (one entry per layer), so their checks run once; a tensor with the same
-address, shape, strides, dtype and device as a validated one passes the same checks."""
+_static_checked: dict[tuple, Any] = {}
+"""Signatures of arguments already validated -> what the checks produced: a bound layer
+(:class:`_BoundLayer`, resolve_cuda) or the KV row bytes (replay). A caller passing the same buffers
+every call (one entry per layer) runs the checks and the kernel's ``bind`` once; a tensor with the
+same address, shape, strides, dtype and device as a validated one passes the same checks, and the
+bound addresses stay valid because the entry holds the tensors."""
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -457,17 +459,38 @@ def _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace: Re
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _launch(fn, static: _Static, top_k_positions, seq_lens, req_pool_indices, out, n_real) -> None:
-    _kernel_checked(fn, top_k_positions, seq_lens, req_pool_indices, *static.tables, out, n_real, *static.extras)
-
-
-def _kernel(static: _Static, B: int, top_k: int, stage_clock: Union[bool, str] = False):
+def _module(static: _Static, B: int, top_k: int, stage_clock: Union[bool, str] = False):
     if stage_clock:
-        module = jit.resolve_stage_clock_module(static.item_bytes, B, top_k, twice=stage_clock == "twice",
-                                                reuse=static.reuse)
-    else:
-        module = jit.resolve_module(static.item_bytes, B, top_k, reuse=static.reuse)
-    return module.resolve_skip_io if static.skip_io else module.resolve
+        return jit.resolve_stage_clock_module(static.item_bytes, B, top_k, twice=stage_clock == "twice",
+                                              reuse=static.reuse)
+    return jit.resolve_module(static.item_bytes, B, top_k, reuse=static.reuse)
+
+
+@dataclass(frozen=True)
+class _BoundLayer:
+    """A layer bound by the kernel's ``bind``: ``params`` (CPU bytes holding the bound tensors'
+    addresses) is passed with the batch's four tensors to ``launch``. Holding ``static`` and
+    ``num_real`` keeps those addresses valid for as long as this object lives."""
+
+    static: _Static
+    num_real: torch.Tensor
+    params: torch.Tensor
+    launch: Callable[..., None]
+
+
+def _bind(static: _Static, B: int, top_k: int, num_real: torch.Tensor,
+          stage_clock: Union[bool, str] = False) -> _BoundLayer:
+    """Run the module's ``bind`` (the C++ checks of the same arguments) into a fresh parameter tensor.
+    Looks the kernel module up (builds it on first use)."""
+    module = _module(static, B, top_k, stage_clock)
+    bind, launch = (module.bind_skip_io, module.launch_skip_io) if static.skip_io else (module.bind, module.launch)
+    params = torch.empty(BOUND_BYTES, dtype=torch.uint8)
+    _kernel_checked(bind, params, *static.tables, num_real, *static.extras)
+    return _BoundLayer(static, num_real, params, launch)
+
+
+def _launch_bound(layer: _BoundLayer, top_k_positions, seq_lens, req_pool_indices, out) -> None:
+    _kernel_checked(layer.launch, layer.params, top_k_positions, seq_lens, req_pool_indices, out)
 
 
 def resolve_cuda(
@@ -522,25 +545,29 @@ def resolve_cuda(
     reuse = policy_tables(slot_history, reuse_levels)
     B, top_k = int(device_buffer_size), int(top_k_positions.shape[-1])
     num_reqs = _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan)
-    key = (B, top_k, bool(skip_io), workspace.device, block_size, num_copiers, _signature(hot_locs),
+    num_real = num_real_reqs if isinstance(num_real_reqs, torch.Tensor) else workspace.resolve_num_real
+    key = (B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers, _signature(hot_locs),
            _signature(slot_tokens), _signature(lru), _signature(host_locs), _signature(host_kv), _signature(device_kv),
            None if residency is None else tuple(_signature(t) for t in residency),
            None if reuse is None else tuple(_signature(t) for t in reuse),
            None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
-           None if counters is None else _signature(counters), _signature(workspace.state))
-    static = _static_checked.get(key)
-    if static is None:
+           None if counters is None else _signature(counters), _signature(workspace.state), _signature(num_real))
+    layer = _static_checked.get(key)
+    if layer is None:
         static = _validate_static(
             hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
             device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
             residency=residency, reuse=reuse, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
+        if num_reqs == 0:
+            return  # validated, nothing to launch (binding would build the kernel module)
+        layer = _bind(static, B, top_k, _num_real_tensor(num_real, workspace.resolve_num_real), stage_clock)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
-        _static_checked[key] = static
+        _static_checked[key] = layer
     if num_reqs == 0:
         return
-    n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
-    _launch(_kernel(static, B, top_k, stage_clock), static, top_k_positions, seq_lens, req_pool_indices, out, n_real)
+    _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
+    _launch_bound(layer, top_k_positions, seq_lens, req_pool_indices, out)
 
 
 BOUND_BYTES = 512
@@ -569,20 +596,18 @@ def bind_resolve_cuda(
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
     fixed = _validate_static(device_buffer_size=device_buffer_size, top_k=top_k, residency=residency, reuse=reuse,
                              workspace=workspace, **static)
-    module = jit.resolve_module(fixed.item_bytes, int(device_buffer_size), top_k, reuse=fixed.reuse)
-    bind, launch = (module.bind_skip_io, module.launch_skip_io) if fixed.skip_io else (module.bind, module.launch)
-    bound = torch.empty(BOUND_BYTES, dtype=torch.uint8)
-    _kernel_checked(bind, bound, *fixed.tables, n_real, *fixed.extras)
+    layer = _bind(fixed, int(device_buffer_size), top_k, n_real)
+    launch, params = layer.launch, layer.params
 
     def resolve(top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                 out: torch.Tensor) -> None:
         try:
-            launch(bound, top_k_positions, seq_lens, req_pool_indices, out)
+            launch(params, top_k_positions, seq_lens, req_pool_indices, out)
         except Exception as e:  # noqa: BLE001 - only the kernel's own checks become ValueError
             raise _as_value_error(e) from None
 
-    resolve.launch_params = bound  # what bind wrote (read it, do not change it)
-    resolve.bound_tensors = (fixed, n_real)  # keeps the addresses written into `bound` valid
+    resolve.launch_params = params  # what bind wrote (read it, do not change it)
+    resolve.bound_tensors = layer  # keeps the addresses written into `params` valid
     return resolve
 
 

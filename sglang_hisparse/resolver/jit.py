@@ -7,12 +7,12 @@ tvm-ffi version. A later process finds the built library there and loads it with
 
 Modules (every template parameter is in the module name, so it is in the cache key):
 
-* ``hisparse_resolve_<item_bytes>_<B>_<top_k>``: ``resolve`` (copies), ``resolve_skip_io``
-  (plans and updates tables, copies nothing), their split form for servers (``bind`` /
-  ``bind_skip_io`` check a layer's unchanging arguments once into a CPU byte tensor; ``launch`` /
-  ``launch_skip_io`` take that tensor and the batch's four) and ``resolve_prepare`` (smem
-  attribute and occupancy, called before CUDA-graph capture), with LRU replacement. The block size is a launch
-  parameter: one module serves every legal block size.
+* ``hisparse_resolve_<item_bytes>_<B>_<top_k>``: ``bind`` / ``bind_skip_io`` check a layer's
+  unchanging arguments once into a CPU byte tensor; ``launch`` (copies) / ``launch_skip_io`` (plans
+  and updates tables, copies nothing) take that tensor and the batch's four tensors;
+  ``resolve_prepare`` sets the smem attribute and returns the occupancy (called before CUDA-graph
+  capture). LRU replacement. The block size is a launch parameter: one module serves every legal
+  block size.
 * ``hisparse_resolve_reuse_<item_bytes>_<B>_<top_k>``: the same entry points with the reuse-table
   policy (``replacement: "reuse"``); a server builds only the module of its policy.
 * ``hisparse_replay_<item_bytes>``: ``replay`` (copy-only replay of a miss plan).
@@ -67,8 +67,6 @@ def resolve_wrappers(item_bytes: int, device_buffer_size: int, top_k: int, reuse
     args = f"{item_bytes}, {device_buffer_size}, {top_k}"
     policy = "true" if reuse else "false"
     return [
-        ("resolve", f"hisparse::resolve<{args}, false, {policy}>"),
-        ("resolve_skip_io", f"hisparse::resolve<{args}, true, {policy}>"),
         ("bind", f"hisparse::resolve_bind<{args}, false, {policy}>"),
         ("bind_skip_io", f"hisparse::resolve_bind<{args}, true, {policy}>"),
         ("launch", f"hisparse::resolve_launch<{args}, false, {policy}>"),
