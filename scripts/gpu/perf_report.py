@@ -44,6 +44,12 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("gpu_run41/sweep_mtp.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width-mtp --spec-steps 1 "
                                  "--points none:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 555 "
                                  "--level-margin-s 60 --out $OUT/sweep_mtp.json"),
+    ("gpu_run46/sweep_fp8_a.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --kv-dtype fp8_e4m3 "
+                                   "--points none:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 555 "
+                                   "--level-margin-s 60 --out $OUT/sweep_fp8_a.json"),
+    ("gpu_run47/sweep_fp8_b.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --kv-dtype fp8_e4m3 "
+                                   "--points upstream:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 555 "
+                                   "--level-margin-s 60 --out $OUT/sweep_fp8_b.json (the next call on the same H200)"),
 ]
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
@@ -80,21 +86,32 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
             "layer_timing": timing}
 
 
+def panels(rows: list[dict]) -> dict[tuple[str, str], dict[tuple[str, str], list[dict]]]:
+    """The plot's panels: one per (model, KV dtype), the headline model's bf16 panel first; in each,
+    one series per (impl, locality) with its rows by concurrency (so that an FP8 point never joins
+    a bf16 line)."""
+    out: dict[tuple[str, str], dict[tuple[str, str], list[dict]]] = {}
+    order = sorted({(r["model"], r["kv_dtype"]) for r in rows},
+                   key=lambda k: (k[0] != HEADLINE_MODEL, k[0], k[1] != "bfloat16", k[1]))
+    for key in order:
+        series: dict[tuple[str, str], list[dict]] = {}
+        for r in rows:
+            if (r["model"], r["kv_dtype"]) == key:
+                series.setdefault((r["impl"], r["locality"]), []).append(r)
+        out[key] = {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in sorted(series.items())}
+    return out
+
+
 def plot(perf: dict, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in perf["rows"]}, key=lambda m: m != HEADLINE_MODEL)
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        series: dict[tuple[str, str], list[dict]] = {}
-        for r in perf["rows"]:
-            if r["model"] == model:
-                series.setdefault((r["impl"], r["locality"]), []).append(r)
-        for (impl, locality), rs in sorted(series.items()):
-            rs.sort(key=lambda r: r["concurrency"])
+    grouped = panels(perf["rows"])
+    fig, axes = plt.subplots(1, len(grouped), figsize=(6.5 * len(grouped), 4.5), squeeze=False)
+    for ax, ((model, kv_dtype), series) in zip(axes[0], grouped.items()):
+        for (impl, locality), rs in series.items():
             x = [r["concurrency"] for r in rs]
             y = [r["decode_tok_s"] for r in rs]
             err = [[r["decode_tok_s"] - r["decode_tok_s_spread"][0] for r in rs],
@@ -103,7 +120,7 @@ def plot(perf: dict, out: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (32k-token requests)")
         ax.set_ylabel("decode tokens/s (median, min-max)")
-        ax.set_title(model)
+        ax.set_title(model if kv_dtype == "bfloat16" else f"{model}, {kv_dtype} KV")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
