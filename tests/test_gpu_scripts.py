@@ -284,3 +284,21 @@ def test_speculative_exactness_runs_linear_mtp_without_the_overlap_scheduler():
     assert sweep.spec_server_flags(0) == ()
     assert sweep.spec_server_flags(2)[-1] == "--disable-overlap-schedule"
     assert sweep.build_parser().parse_args(["--spec-steps", "1", "--out", "x"]).spec_steps == 1
+
+
+def test_slot_hash_probe_builds_and_refuses_bad_options(tmp_path):
+    """scripts/gpu/slot_hash_probe.cu (run.sh job `probe`): nvcc builds it for sm_90a, and it names
+    the allowed options and limits before touching a GPU (exit 2)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc")
+    source = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "slot_hash_probe.cu"
+    binary = tmp_path / "probe"
+    subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90a", str(source), "-o", str(binary)], check=True,
+                   capture_output=True, timeout=300)
+    bad = subprocess.run([str(binary), "--bogus", "1"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "allowed: --B --k --reps --threads --hit" in bad.stderr
+    too_big = subprocess.run([str(binary), "--k", "8192", "--B", "4096"], capture_output=True, text=True, timeout=30)
+    assert too_big.returncode == 2 and "k <= B <= 32767" in too_big.stderr

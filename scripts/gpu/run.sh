@@ -16,6 +16,8 @@
 #   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
 #   job = policy  -> python scripts/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
 #                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
+#   job = probe   -> nvcc scripts/gpu/slot_hash_probe.cu, run it [args...] > $OUT/slot_hash_probe.jsonl
+#                    (the planning-floor micro-benchmark, docs/kernel.md; standalone CUDA, no Python)
 # Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
 # (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
 # files, the device tool's limit (scripts/gpu/pack_outputs.py).
@@ -41,6 +43,13 @@ export SGLANG_HISPARSE_DUMMY_INIT=normal OUT
 rm -rf /tmp/e2e_logs  # a warm machine keeps the last call's server logs; bring back only this call's
 log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1); python $(python3 -V 2>&1)"
 python3 -c "import torch, sglang, sglang_hisparse; print('versions', torch.__version__, sglang.__version__, sglang_hisparse.__file__)" 2>&1 | tail -1 | tee -a "$OUT/run.log"
+run_probe() {  # the probe job: build, run (JSON lines to $OUT/slot_hash_probe.jsonl), echo its lines
+  nvcc -O3 -std=c++17 -arch=sm_90a scripts/gpu/slot_hash_probe.cu -o /tmp/slot_hash_probe || return $?
+  /tmp/slot_hash_probe "$@" > "$OUT/slot_hash_probe.jsonl"
+  local probe_rc=$?
+  cat "$OUT/slot_hash_probe.jsonl"
+  return "$probe_rc"
+}
 run_job() {
   local job=$1; shift
   log "job $job $*"
@@ -54,6 +63,7 @@ run_job() {
     policy) python3 scripts/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
               | tee -a "$OUT/run.log" ;;
     demo) python3 -m sglang_hisparse.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    probe) run_probe "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac
   local job_rc=${PIPESTATUS[0]}
