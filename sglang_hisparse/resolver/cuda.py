@@ -527,8 +527,11 @@ def resolve_cuda(
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
     Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
     (and a plan count of 0); the three tables are only read, so their contents (not their
-    addresses) may change between replays of a captured graph. A server calls the form bound once
-    per layer (:func:`bind_resolve_cuda`), which skips the per-call signature lookup.
+    addresses) may change between replays of a captured graph. The first call with a set of buffers
+    validates them and binds the layer through the kernel module's ``bind`` (kept in a memo keyed
+    by the buffers' signatures); every call launches through ``launch``, the entry point servers
+    use. A server binds once per layer itself (:func:`bind_resolve_cuda`), which also skips the
+    per-call signature lookup.
 
     Args beyond the reference's:
         workspace: from :func:`make_workspace` (``max_reqs >= num_reqs``, ``top_k >= top_k``).
