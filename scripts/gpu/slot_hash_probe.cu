@@ -1,17 +1,19 @@
 // Micro-benchmark for #17's planning floor (docs/kernel.md, "A variant with memory proportional to
 // B"): is probing a persistent per-(layer, request) hash of the slot table in global memory (one
-// probe chain per selection) cheaper than what the planner does now to find its hits (S1: insert
-// the k selections into a shared-memory hash; S2: every one of the B slots looks its token up)?
+// probe chain per selection), or a dense position -> slot map (one load per selection), cheaper
+// than what the planner does now to find its hits (S1: insert the k selections into a
+// shared-memory hash; S2: every one of the B slots looks its token up)?
 //
 // Standalone CUDA (no torch): nvcc -O3 -std=c++17 -arch=sm_90a slot_hash_probe.cu -o probe
 //   ./probe [--B 4096] [--k 2048] [--hit 0.87] [--reps 30] [--threads 960] > probe.jsonl
 // One CTA per request, as the planner. Every rep flushes L2 first (the bench's convention), then
 // launches; thread 0 of CTA 0 stamps clock64() around the timed stage (the stage clock's
-// convention), CUDA events time the whole launch. Both variants write the selection -> slot map
-// they found, and the host checks it against the truth of every request before any number is
+// convention), CUDA events time the whole launch. Every variant writes the selection -> slot map
+// it found, and the host checks it against the truth of every request before any number is
 // printed. Variants:
 //   smem_hash : stage the B slot tokens into smem, clear a 4k-entry hash, S1 + S2 as in
-//               kernels/resolve.cuh (timed: all of it; `cycles_stage` is the token staging alone)
+//               kernels/resolve.cuh (timed: all of it; `cycles_stage_median` is the token staging alone,
+//               in the other variants the hit-mask clear)
 //   gprobe    : probe the request's 2B-entry global hash (int32 position, int32 slot) once per
 //               selection, setting a B-bit hit mask in smem (timed: all of it)
 //   gmap      : the dense map of the eighth session's plan: one int16 load per selection from the
