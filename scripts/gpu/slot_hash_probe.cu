@@ -57,6 +57,18 @@ struct Args {
   int B, k, H_bits, hash_bits, context;
 };
 
+// Untimed in every variant (S0 stages the top-k row in the planner too).
+__device__ void stage_topk(const Args& a, int32_t* topk) {
+  for (int j = threadIdx.x; j < a.k; j += blockDim.x) topk[j] = a.topk[size_t(blockIdx.x) * a.k + j];
+  __syncthreads();
+}
+
+// CTA 0's stamps, then every CTA's selection -> slot row (checked by the host).
+__device__ void finish(const Args& a, long long t0, long long t1, long long t2, const int32_t* sel) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) { a.stamps[0] = t0; a.stamps[1] = t1; a.stamps[2] = t2; }
+  for (int j = threadIdx.x; j < a.k; j += blockDim.x) a.sel_out[size_t(blockIdx.x) * a.k + j] = sel[j];
+}
+
 // The current planner's S1 + S2 (smem hash keyed by selected position, B lookups).
 __global__ void smem_hash_kernel(Args a) {
   extern __shared__ unsigned char smem[];
@@ -67,8 +79,7 @@ __global__ void smem_hash_kernel(Args a) {
   int32_t* hkeys = sel + a.k;
   int16_t* hvals = reinterpret_cast<int16_t*>(hkeys + H);
   const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  for (int j = tid; j < a.k; j += nt) topk[j] = a.topk[size_t(r) * a.k + j];  // untimed (S0 in both)
-  __syncthreads();
+  stage_topk(a, topk);
   long long t0 = clock64();
   for (int s = tid; s < a.B; s += nt) tok[s] = a.tokens[size_t(r) * a.B + s];
   __syncthreads();
@@ -99,68 +110,50 @@ __global__ void smem_hash_kernel(Args a) {
     }
   }
   __syncthreads();
-  long long t2 = clock64();
-  if (r == 0 && tid == 0) { a.stamps[0] = t0; a.stamps[1] = t1; a.stamps[2] = t2; }
-  for (int j = tid; j < a.k; j += nt) a.sel_out[size_t(r) * a.k + j] = sel[j];
+  finish(a, t0, t1, clock64(), sel);
 }
 
 // The proposal: one probe chain per selection into the request's global slot-table hash.
-__global__ void gprobe_kernel(Args a) {
-  extern __shared__ unsigned char smem[];
-  int32_t* topk = reinterpret_cast<int32_t*>(smem);
-  int32_t* sel = topk + a.k;
-  uint32_t* hit = reinterpret_cast<uint32_t*>(sel + a.k);
-  const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  const int H = 1 << a.H_bits;
-  const int2* table = a.table + size_t(r) * H;
-  for (int j = tid; j < a.k; j += nt) topk[j] = a.topk[size_t(r) * a.k + j];  // untimed (S0 in both)
-  __syncthreads();
-  long long t0 = clock64();
-  for (int w = tid; w < (a.B + 31) / 32; w += nt) hit[w] = 0;
-  __syncthreads();
-  long long t1 = clock64();
-  for (int j = tid; j < a.k; j += nt) {
-    const int32_t q = topk[j];
+struct GlobalHash {
+  __device__ int32_t operator()(const Args& a, int32_t q) const {
+    const int H = 1 << a.H_bits;
+    const int2* table = a.table + size_t(blockIdx.x) * H;
     int h = hash_of(q, a.H_bits);
-    int32_t slot = -1;
     while (true) {
       const int2 e = __ldg(table + h);
-      if (e.x == q) { slot = e.y; break; }
-      if (e.x == -1) break;
+      if (e.x == q) return e.y;
+      if (e.x == -1) return -1;
       h = (h + 1) & (H - 1);
     }
-    sel[j] = slot;
-    if (slot >= 0) atomicOr(hit + (slot >> 5), 1u << (slot & 31));
   }
-  __syncthreads();
-  long long t2 = clock64();
-  if (r == 0 && tid == 0) { a.stamps[0] = t0; a.stamps[1] = t1; a.stamps[2] = t2; }
-  for (int j = tid; j < a.k; j += nt) a.sel_out[size_t(r) * a.k + j] = sel[j];
-}
+};
 
 // The dense map: one load per selection.
-__global__ void gmap_kernel(Args a) {
+struct DenseMap {
+  __device__ int32_t operator()(const Args& a, int32_t q) const {
+    return __ldg(a.map + size_t(blockIdx.x) * a.context + q);
+  }
+};
+
+// Each selection's slot from a persistent table (Lookup), and the B-bit hit mask S3 would read.
+template <typename Lookup>
+__global__ void lookup_kernel(Args a) {
   extern __shared__ unsigned char smem[];
   int32_t* topk = reinterpret_cast<int32_t*>(smem);
   int32_t* sel = topk + a.k;
   uint32_t* hit = reinterpret_cast<uint32_t*>(sel + a.k);
-  const int r = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
-  const int16_t* map = a.map + size_t(r) * a.context;
-  for (int j = tid; j < a.k; j += nt) topk[j] = a.topk[size_t(r) * a.k + j];  // untimed (S0 in all)
-  __syncthreads();
+  stage_topk(a, topk);
   long long t0 = clock64();
-  for (int w = tid; w < (a.B + 31) / 32; w += nt) hit[w] = 0;
+  for (int w = threadIdx.x; w < (a.B + 31) / 32; w += blockDim.x) hit[w] = 0;
   __syncthreads();
   long long t1 = clock64();
-  for (int j = tid; j < a.k; j += nt) {
-    const int32_t slot = __ldg(map + topk[j]);
+  for (int j = threadIdx.x; j < a.k; j += blockDim.x) {
+    const int32_t slot = Lookup()(a, topk[j]);
     sel[j] = slot;
     if (slot >= 0) atomicOr(hit + (slot >> 5), 1u << (slot & 31));
   }
   __syncthreads();
-  long long t2 = clock64();
-  if (r == 0 && tid == 0) { a.stamps[0] = t0; a.stamps[1] = t1; a.stamps[2] = t2; }
-  for (int j = tid; j < a.k; j += nt) a.sel_out[size_t(r) * a.k + j] = sel[j];
+  finish(a, t0, t1, clock64(), sel);
 }
 
 int main(int argc, char** argv) {
@@ -235,8 +228,8 @@ int main(int argc, char** argv) {
   const size_t smem_hash = size_t(k) * 4 + size_t(B) * 4 + size_t(k) * 4 + (size_t(1) << hash_bits) * 6;
   const size_t smem_probe = size_t(k) * 4 * 2 + size_t((B + 31) / 32) * 4;
   CHECK(cudaFuncSetAttribute(smem_hash_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_hash)));
-  CHECK(cudaFuncSetAttribute(gprobe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_probe)));
-  CHECK(cudaFuncSetAttribute(gmap_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_probe)));
+  CHECK(cudaFuncSetAttribute(lookup_kernel<GlobalHash>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_probe)));
+  CHECK(cudaFuncSetAttribute(lookup_kernel<DenseMap>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_probe)));
   cudaEvent_t e0, e1;
   CHECK(cudaEventCreate(&e0));
   CHECK(cudaEventCreate(&e1));
@@ -252,8 +245,8 @@ int main(int argc, char** argv) {
         CHECK(cudaMemsetAsync(d_flush, rep & 0xff, flush_bytes));
         CHECK(cudaEventRecord(e0));
         if (v == 0) smem_hash_kernel<<<batch, threads, smem_hash>>>(a);
-        else if (v == 1) gprobe_kernel<<<batch, threads, smem_probe>>>(a);
-        else gmap_kernel<<<batch, threads, smem_probe>>>(a);
+        else if (v == 1) lookup_kernel<GlobalHash><<<batch, threads, smem_probe>>>(a);
+        else lookup_kernel<DenseMap><<<batch, threads, smem_probe>>>(a);
         CHECK(cudaEventRecord(e1));
         CHECK(cudaGetLastError());
         CHECK(cudaEventSynchronize(e1));
