@@ -993,7 +993,7 @@ __device__ __forceinline__ void rank_and_gather(
       const int m = run + __popc(mask & t.lanes_below);
       sm.sel[j] = -2 - m;  // miss code
       if (need_host_rows && m < c.M_eff) {
-        if constexpr (kPlanSpills<kB, kTopK, kReuse>) {
+        if constexpr (PlanSmem<kB, kTopK, kReuse>::kSpilled) {
           sm.hostrow[m] = rq.host_loc_row[sm.topk[j]];  // global to global: no cp.async
         } else {
           cp_async8(sm.hostrow + m, rq.host_loc_row + sm.topk[j]);

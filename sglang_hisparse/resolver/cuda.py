@@ -556,20 +556,18 @@ def resolve_cuda(
            None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
            None if counters is None else _signature(counters), _signature(workspace.state), _signature(num_real))
     layer = _static_checked.get(key)
+    static = layer.static if layer is not None else _validate_static(
+        hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
+        device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
+        residency=residency, reuse=reuse, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
+    if num_reqs == 0:
+        return  # validated, nothing to launch (binding would build the kernel module)
+    n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)  # `num_real`, checked (an int written)
     if layer is None:
-        static = _validate_static(
-            hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
-            device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
-            residency=residency, reuse=reuse, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
-        if num_reqs == 0:
-            return  # validated, nothing to launch (binding would build the kernel module)
-        layer = _bind(static, B, top_k, _num_real_tensor(num_real, workspace.resolve_num_real), stage_clock)
+        layer = _bind(static, B, top_k, n_real, stage_clock)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
         _static_checked[key] = layer
-    if num_reqs == 0:
-        return
-    _num_real_tensor(num_real_reqs, workspace.resolve_num_real)
     _launch_bound(layer, top_k_positions, seq_lens, req_pool_indices, out)
 
 
