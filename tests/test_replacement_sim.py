@@ -345,3 +345,21 @@ def test_fit_reuse_table_returns_probabilities() -> None:
     table = fit_reuse_table([steps], 3, 6, horizon=2, iterations=2)
     assert table.shape == ReuseTable().shape
     assert np.all((table >= 0) & (table <= 1))
+
+
+def test_fit_with_a_vanishing_discount_is_the_one_step_fit() -> None:
+    """discount ** (d - 1) with a tiny discount counts only reuse at the next step: horizon 1."""
+    rng = np.random.default_rng(5)
+    steps = random_trace(rng, n=3, s=24, k=3, r=12, n_positions=30)
+    one_step = fit_reuse_table([steps], 3, 6, horizon=1, use_rank=False, iterations=2)
+    discounted = fit_reuse_table([steps], 3, 6, horizon=1, use_rank=False, iterations=2, discount=1e-12)
+    assert np.allclose(discounted, one_step, atol=1e-9)
+    smooth = fit_reuse_table([steps], 3, 6, horizon=1, use_rank=False, iterations=2, discount=0.8)
+    assert np.all((smooth >= 0) & (smooth <= 1)) and not np.allclose(smooth, one_step)
+
+
+def test_reuse_table_refuses_a_bad_discount() -> None:
+    with pytest.raises(ValueError, match="record_discount must be in"):
+        ReuseTable(use_rank=False, record_horizon=1, record_discount=1.0)
+    with pytest.raises(ValueError, match="needs record_horizon"):
+        ReuseTable(use_rank=False, record_discount=0.5)

@@ -252,22 +252,29 @@ class ReuseTable:
     count. With ``record_horizon`` set, the policy also reads the future of the
     trace (like Belady, for fitting only) and accumulates, over every resident
     not selected at a step, its cell in ``self.seen`` and whether its next use
-    is within ``record_horizon`` steps in ``self.reused``.
+    is within ``record_horizon`` steps in ``self.reused``. With ``record_discount``
+    (in (0, 1)) it accumulates ``record_discount ** (d - 1)`` instead, ``d`` the
+    steps to the next use (0 for never): a smooth version of the same target.
     """
 
     def __init__(self, table: np.ndarray | None = None, *, use_rank: bool = True,
                  rank_edges_in_k: tuple[float, ...] = RANK_EDGES_IN_K, record_horizon: int | None = None,
-                 name: str | None = None) -> None:
+                 record_discount: float | None = None, name: str | None = None) -> None:
         self.rank_edges_in_k = tuple(rank_edges_in_k) if use_rank else ()
         shape = self.shape
         self.table = np.full(shape, 0.5) if table is None else np.asarray(table, dtype=np.float64)
         if self.table.shape != shape:
             raise ValueError(f"table must have shape {shape}, got {self.table.shape}")
         self.use_rank = use_rank
+        if record_discount is not None and not 0.0 < record_discount < 1.0:
+            raise ValueError(f"record_discount must be in (0, 1), got {record_discount}")
+        if record_discount is not None and record_horizon is None:
+            raise ValueError("record_discount needs record_horizon (the trace's future is read only when recording)")
         self.record_horizon = record_horizon
+        self.record_discount = record_discount
         self.name = name or ("reuse_table" if use_rank else "reuse_table_norank")
         self.seen = np.zeros(shape, dtype=np.int64)
-        self.reused = np.zeros(shape, dtype=np.int64)
+        self.reused = np.zeros(shape, dtype=np.float64)
         self._recency = LruHitsLast()
 
     @property
@@ -318,9 +325,13 @@ class ReuseTable:
             candidate[rows, new_slot] = False
             cells = self.cells(view, state)
             self.next_use_of[rows, view.sel] = self.nxt[:, view.step, :]
-            soon = (self.next_use_of[rows, state.slot_pos] - view.step) <= self.record_horizon
+            distance = self.next_use_of[rows, state.slot_pos] - view.step
+            if self.record_discount is None:
+                outcome = (distance <= self.record_horizon).astype(np.float64)
+            else:  # NEVER is far beyond any trace: its weight underflows to 0
+                outcome = self.record_discount ** (np.minimum(distance, 1 << 16) - 1.0)
             np.add.at(self.seen, tuple(cell[candidate] for cell in cells), 1)
-            np.add.at(self.reused, tuple(cell[candidate & soon] for cell in cells), 1)
+            np.add.at(self.reused, tuple(cell[candidate] for cell in cells), outcome[candidate])
         self._recency.after_step(view, state, new_slot)
         miss_rows, miss_cols = np.nonzero(~view.hit)
         self.count[miss_rows, new_slot[miss_rows, miss_cols]] = 0
@@ -330,7 +341,7 @@ class ReuseTable:
 
 def fit_reuse_table(traces: list[np.ndarray], k: int, n_slots: int, *, horizon: int = 1, use_rank: bool = True,
                     rank_edges_in_k: tuple[float, ...] = RANK_EDGES_IN_K, iterations: int = 2,
-                    prior_weight: float = 20.0) -> np.ndarray:
+                    prior_weight: float = 20.0, discount: float | None = None) -> np.ndarray:
     """Fit :class:`ReuseTable`'s probabilities on tune traces.
 
     Runs the policy (starting from an all-equal table, i.e. plain
@@ -338,7 +349,9 @@ def fit_reuse_table(traces: list[np.ndarray], k: int, n_slots: int, *, horizon: 
     resident its cell and whether it is selected again within ``horizon``
     steps, sets each cell to the smoothed empirical rate (``prior_weight``
     pseudo-counts of the overall rate), and repeats ``iterations`` times so the
-    statistics come from the policy's own cache contents. Returns the table.
+    statistics come from the policy's own cache contents. With ``discount`` the
+    outcome is ``discount ** (d - 1)`` (``d``: steps to the next use) instead of
+    "within ``horizon``". Returns the table.
     """
     from .simulator import simulate
 
@@ -346,9 +359,10 @@ def fit_reuse_table(traces: list[np.ndarray], k: int, n_slots: int, *, horizon: 
     table = policy.table
     for _ in range(iterations):
         seen = np.zeros(table.shape, dtype=np.int64)
-        reused = np.zeros_like(seen)
+        reused = np.zeros(table.shape, dtype=np.float64)
         for ranked in traces:
-            policy = ReuseTable(table, use_rank=use_rank, rank_edges_in_k=rank_edges_in_k, record_horizon=horizon)
+            policy = ReuseTable(table, use_rank=use_rank, rank_edges_in_k=rank_edges_in_k, record_horizon=horizon,
+                                record_discount=discount)
             simulate(policy, ranked, k, n_slots)
             seen += policy.seen
             reused += policy.reused
