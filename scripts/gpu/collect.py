@@ -57,6 +57,9 @@ FRAGMENTS = [
     ("gpu_run42/spec3_exact.json", None),
     ("gpu_run43/spec3_forced.json", None),
     ("gpu_run44/spec3_fp8.json", None),  # the call's second job (spec1_forced.json) was skipped: time budget
+    # twelfth session: residency (ours_resident); gpu_run53 on half the pool, two demotions mid-decode
+    ("gpu_run52/res.json", None),  # its default-capture-sizes row: batches differ, see e2e_gpu.md
+    ("gpu_run53/res_pressure.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -68,6 +71,10 @@ WORKLOADS = {
     "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
+    "gpu_run52": "bash scripts/gpu/run.sh e2e exactness --configs ours_resident:4096:1,ours_resident:4096:F18:arrival "
+                 "--budget-s 530 --out $OUT/res.json",
+    "gpu_run53": "bash scripts/gpu/run.sh e2e exactness --configs ours_resident:4096:F18:arrival --max-total-tokens 262144 "
+                 "--budget-s 480 --out $OUT/res_pressure.json   (262,144-row pool: 2 demotions mid-decode)",
     "gpu_run2": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:1,ours:2048:1 --budget-s 520 --out $OUT/exact1.json",
     "gpu_run3": "bash scripts/gpu/run.sh e2e exactness --configs ours:4096:1,upstream:4096:1 --budget-s 520 --out $OUT/exact2.json",
     "gpu_run4": "bash scripts/gpu/run.sh e2e throughput --impls none,ours,upstream --concurrency 1,8,32,64 --context 32768 "

@@ -50,6 +50,12 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("gpu_run47/sweep_fp8_b.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --kv-dtype fp8_e4m3 "
                                    "--points upstream:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 555 "
                                    "--level-margin-s 60 --out $OUT/sweep_fp8_b.json (the next call on the same H200)"),
+    ("gpu_run54/sweep_res_c1.json", "bash scripts/gpu/run.sh sweep --model ds32-width --points none:realistic,"
+                                    "ours_resident:realistic --concurrency 1 --repeats 1 --budget-s 420 "
+                                    "--level-margin-s 60 --out $OUT/sweep_res_c1.json"),
+    ("gpu_run55/sweep_res_c32.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --points "
+                                     "ours_resident:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 290 "
+                                     "--level-margin-s 60 --out $OUT/sweep_res_c32.json (ours did not fit the budget)"),
 ]
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
