@@ -254,7 +254,8 @@ class ReuseTable:
     not selected at a step, its cell in ``self.seen`` and whether its next use
     is within ``record_horizon`` steps in ``self.reused``. With ``record_discount``
     (in (0, 1)) it accumulates ``record_discount ** (d - 1)`` instead, ``d`` the
-    steps to the next use (0 for never): a smooth version of the same target.
+    steps to the next use (weight 0 when never used again): a smooth version of
+    the same target.
     """
 
     def __init__(self, table: np.ndarray | None = None, *, use_rank: bool = True,
