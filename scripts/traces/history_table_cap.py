@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
-from report import HELDOUT  # noqa: E402
+from report import HELDOUT, load  # noqa: E402
 from sglang_hisparse.replacement.policies import LruHitsLast, ReuseTable, fit_reuse_table  # noqa: E402
 from sglang_hisparse.replacement.reuse import CELLS, history_table, reuse_levels  # noqa: E402
 from sglang_hisparse.replacement.simulator import simulate  # noqa: E402
@@ -44,11 +44,15 @@ from sglang_hisparse.replacement.simulator import simulate  # noqa: E402
 _STATE: dict[str, Any] = {}
 
 
+def _total_misses(make_policy, split: str) -> int:
+    """Misses of a fresh ``make_policy()`` per document, summed over a split."""
+    return sum(int(simulate(make_policy(), r, _STATE["k"], _STATE["B"]).sum()) for r in _STATE[split])
+
+
 def _misses(table: np.ndarray, split: str) -> int:
     """Total misses of the history-only policy with ``table`` (54 values) over a split."""
-    k, b = _STATE["k"], _STATE["B"]
     table = np.asarray(table, dtype=np.float64).reshape(9, 6, 1)
-    return sum(int(simulate(ReuseTable(table, use_rank=False), r, k, b).sum()) for r in _STATE[split])
+    return _total_misses(lambda: ReuseTable(table, use_rank=False), split)
 
 
 def _fit_job(job: tuple[str, str, dict]) -> tuple[str, list[float], int, int]:
@@ -64,11 +68,8 @@ def _search_job(job: tuple[np.ndarray, str]) -> int:
 
 
 def load_split(paths: list[Path], selector: str, k: int) -> list[np.ndarray]:
-    out = []
-    for path in paths:
-        with np.load(path) as data:
-            out.append(np.ascontiguousarray(data[selector][:, :, :k], dtype=np.int64))
-    return out
+    """Each document's selections (the first ``k`` ranks), int64 [layers, steps, k]."""
+    return [np.ascontiguousarray(load(path, selector)[:, :, :k]) for path in paths]
 
 
 def coordinate_search(pool, table: np.ndarray, split: str, factors: tuple[float, ...], log) -> tuple[np.ndarray, int]:
@@ -103,7 +104,7 @@ def run(traces_dir: Path, *, selector: str, k: int, B: int, horizons: list[int],
         raise SystemExit(f"{traces_dir}: need tune and held-out traces (bash scripts/policy_report.sh generates them)")
     _STATE.update(k=k, B=B, **{s: load_split(ps, selector, k) for s, ps in split.items()})
     selected = {s: sum(t.size for t in _STATE[s]) for s in split}
-    lru = {s: sum(int(simulate(LruHitsLast(), r, k, B).sum()) for r in _STATE[s]) for s in split}
+    lru = {s: _total_misses(LruHitsLast, s) for s in split}
 
     def row(name: str, table, tune: int, held: int) -> dict[str, Any]:
         r = {"name": name, "table": list(table) if table is not None else None,
