@@ -16,6 +16,8 @@
 //   S0  stage the request's rows (top-k, slot tokens, LRU, hot locs) into smem with cp.async
 //   S1  insert the selected positions into an open-addressing hash table (position -> j)
 //   S2  every slot looks its token up: slot s holding selection j is a hit for j
+//       (with the position -> slot map, S1 + S2 are one pass: each selection's map entry names
+//       a candidate slot, a hit when that slot holds the position: find_hits_in_map)
 //   S3  warp-ballot counts of misses (top-k order) and evictable slots (LRU order)
 //   S4  block scan of the per-warp counts (every warp redundantly: no extra barrier)
 //   S5  ranks: miss j gets rank m, evictable slot gets rank e; the m-th miss takes the m-th
@@ -161,6 +163,15 @@ inline constexpr bool kPlanSpills = PlanLayoutOf<kB, kTopK, kReuse, false>::kByt
 template <int kB, int kTopK, bool kReuse = false>
 using PlanLayout = PlanLayoutOf<kB, kTopK, kReuse, kPlanSpills<kB, kTopK, kReuse>>;
 
+// Planning with the position -> slot map (ResolveParams::slot_map): S0 stages the slot tokens
+// into the hash table's region (unused without S1's hash table), where S1 validates the map's
+// candidates, and turns s_tok into the selection each slot holds from the start. A planner whose
+// hash region is smaller than B or lies in global memory (spilled) validates against the token
+// row in global memory instead.
+template <int kB, int kTopK, bool kReuse>
+inline constexpr bool kMapStagesTokens =
+    !kPlanSpills<kB, kTopK, kReuse> && PlanLayoutOf<kB, kTopK, kReuse, false>::kHash >= kB;
+
 // A spilling planner's arrays sized by kTopK, in request i's slice of the workspace spill buffer
 // (global memory, L2-resident in practice; slices of kBytes, 128-byte aligned): the selection map,
 // victims, miss ballots, hash table and host rows, with PlanLayoutOf's roles. The top-k row is
@@ -232,6 +243,13 @@ struct ResolveParams {
   int16_t* slot_hist;  // [table_rows, kB] history words, row stride hist_stride
   int64_t hist_stride;
   const uint8_t* reuse_levels;  // [54] level of each history cell
+  // Position -> slot map (nullable: slot_map == nullptr plans with S1's hash table and S2's lookups).
+  // Row r, column q: a slot that may hold position q. A hint, validated against the slot tokens
+  // (slot_map[r, q] == s is a hit only if slot_tokens[r, s] == q), so stale or garbage entries
+  // are harmless; the invariant its writers keep is the other direction: slot_tokens[r, s] == q
+  // >= 0 implies slot_map[r, q] == s. The resolver writes each miss's entry (S6).
+  int16_t* slot_map;  // [table_rows, >= max_context], row stride map_stride
+  int64_t map_stride;
   uint32_t* state;  // workspace state words
   int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
   int32_t* flat_dev;
@@ -647,6 +665,7 @@ struct PlanRequest {
   const int64_t* host_loc_row;
   int32_t* out_row;
   int16_t* hist_row;  // reuse-table history (nullptr: LRU)
+  int16_t* map_row;  // position -> slot map (nullptr: hash-table planning)
 };
 
 __device__ __forceinline__ PlanRequest long_request(
@@ -659,6 +678,7 @@ __device__ __forceinline__ PlanRequest long_request(
   rq.host_loc_row = p.host_locs + r * p.host_locs_stride;
   rq.out_row = out_row;
   rq.hist_row = p.slot_hist != nullptr ? p.slot_hist + r * p.hist_stride : nullptr;
+  rq.map_row = p.slot_map != nullptr ? p.slot_map + r * p.map_stride : nullptr;
   return rq;
 }
 
@@ -752,20 +772,27 @@ __device__ __forceinline__ void resolve_short(
 
 // S0 (long path): stage the slot tokens, LRU and hot locs (cp.async); initialise the hash table
 // and the selection map while the copies fly. Complete with cp_async_wait_all() + __syncthreads().
+// With the position -> slot map: the slot tokens go to the hash region (kMapStagesTokens; else
+// they are read in place) and s_tok starts as "no selection" (-1) for every slot.
 template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void stage_tables(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq) {
   constexpr int kHash = PlanLayout<kB, kTopK>::kHash;
-  stage_row(sm.tok, rq.tok_row, kB, t.tid, t.nt);
+  if (rq.map_row != nullptr) {  // CTA-uniform
+    if constexpr (kMapStagesTokens<kB, kTopK, kReuse>) stage_row(sm.hkeys, rq.tok_row, kB, t.tid, t.nt);
+    for (int s = t.tid; s < kB; s += t.nt) sm.tok[s] = -1;
+  } else {
+    stage_row(sm.tok, rq.tok_row, kB, t.tid, t.nt);
+    if constexpr (kHash % 4 == 0) {
+      for (int h = t.tid; h < kHash / 4; h += t.nt) reinterpret_cast<int4*>(sm.hkeys)[h] = make_int4(-1, -1, -1, -1);
+    } else {
+      for (int h = t.tid; h < kHash; h += t.nt) sm.hkeys[h] = -1;
+    }
+  }
   stage_row(sm.lru, rq.lru_row, kB, t.tid, t.nt);
   stage_row(sm.hot, rq.hot_row, kB + 1, t.tid, t.nt);
   if constexpr (kReuse) {
     stage_row(reinterpret_cast<int16_t*>(sm.hist), rq.hist_row, kB, t.tid, t.nt);
     for (int l = t.tid; l < kReuseLevels; l += t.nt) sm.histo[l] = 0;
-  }
-  if constexpr (kHash % 4 == 0) {
-    for (int h = t.tid; h < kHash / 4; h += t.nt) reinterpret_cast<int4*>(sm.hkeys)[h] = make_int4(-1, -1, -1, -1);
-  } else {
-    for (int h = t.tid; h < kHash; h += t.nt) sm.hkeys[h] = -1;
   }
   for (int j = t.tid; j < kTopK; j += t.nt) sm.sel[j] = -1;  // -1: no slot holds selection j
 }
@@ -821,6 +848,36 @@ __device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK, kReuse>& sm,
     }
     sm.tok[s] = j;
     if (j >= 0) atomicMax(sm.sel + j, s);
+  }
+}
+
+// S1 + S2 with the position -> slot map, in one pass over the selections: selection j's map entry
+// names a candidate slot s, a hit when slot s holds j's position (the staged or global token);
+// s_tok[s] = j and s_sel[j] = s then, as S2 leaves them. Out-of-range or stale entries are misses.
+// A position selected twice (a precondition violation) finds its slot claimed the second time:
+// counted as an error and left a miss, as with S1's hash table. Positions held by two slots (an
+// invalid state; the map's writers never make one) resolve to the slot the map names, where S2
+// would take the larger.
+template <int kB, int kTopK, bool kReuse>
+__device__ __forceinline__ void find_hits_in_map(
+    const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq,
+    const Positions& pos) {
+  const int32_t* tokens = rq.tok_row;
+  if constexpr (kMapStagesTokens<kB, kTopK, kReuse>) tokens = sm.hkeys;
+  for (int j = t.tid; j < kTopK; j += t.nt) {
+    const int32_t q = sm.topk[j];
+    if (q < 0 || q == pos.newest) continue;
+    if (!pos.is_valid(q)) {
+      count_error(p.state);  // precondition: positions < seq_len (and < max_context)
+      continue;
+    }
+    const int s = rq.map_row[q];
+    if (s < 0 || s >= kB || tokens[s] != q) continue;  // not held: a miss
+    if (atomicCAS(sm.tok + s, -1, j) == -1) {
+      sm.sel[j] = s;
+    } else {
+      count_error(p.state);  // precondition: selections are distinct
+    }
   }
 }
 
@@ -1065,6 +1122,7 @@ __device__ __forceinline__ void publish(
         const int32_t dev_row = sm.hot[s];
         o = dev_row;
         rq.tok_row[s] = q;
+        if (rq.map_row != nullptr) rq.map_row[q] = static_cast<int16_t>(s);
         if (need_host_rows) {
           const int64_t host_row = sm.hostrow[m];
           if constexpr (!kSkipIO) {
@@ -1162,13 +1220,20 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   HS_STAMP(2, clock64());
 
   const Positions pos = positions(p, L);
-  insert_selection(p, sm, t, pos);  // S1
-  __syncthreads();
-  HS_STAMP(3, clock64());
+  if (rq.map_row != nullptr) {  // CTA-uniform
+    find_hits_in_map(p, sm, t, rq, pos);  // S1 + S2
+    __syncthreads();
+    HS_STAMP(3, clock64());
+    HS_STAMP(4, clock64());
+  } else {
+    insert_selection(p, sm, t, pos);  // S1
+    __syncthreads();
+    HS_STAMP(3, clock64());
 
-  find_hits(sm, t);  // S2
-  __syncthreads();
-  HS_STAMP(4, clock64());
+    find_hits(sm, t);  // S2
+    __syncthreads();
+    HS_STAMP(4, clock64());
+  }
 
   const WarpRanges w = warp_ranges<kB, kTopK>(t);
   count_misses(p, sm, t, w, pos);  // S3
@@ -1498,8 +1563,9 @@ BoundResolve bind_layer(
     const TensorView& plan_host, const TensorView& plan_dev, const TensorView& plan_counts,
     const TensorView& counters, const TensorView& resident, const TensorView& req_to_token,
     const TensorView& logical_to_device, const TensorView& slot_history, const TensorView& reuse_levels,
-    const TensorView& ws_state, const TensorView& ws_flat_host, const TensorView& ws_flat_dev,
-    const TensorView& ws_spill, int64_t block, int64_t num_copiers, int64_t spin_timeout_ns) {
+    const TensorView& slot_map, const TensorView& ws_state, const TensorView& ws_flat_host,
+    const TensorView& ws_flat_dev, const TensorView& ws_spill, int64_t block, int64_t num_copiers,
+    int64_t spin_timeout_ns) {
   check_block(block);
   check_table(hot_locs, 32, kB + 1, "hot_locs");
   check_table(slot_tokens, 32, kB, "slot_tokens");
@@ -1515,6 +1581,11 @@ BoundResolve bind_layer(
                      kReuse ? "reuse-table policy: slot_history and reuse_levels are required"
                             : "LRU policy: slot_history and reuse_levels must be empty");
   if (has_reuse) rows = slot_history.size(0) < rows ? slot_history.size(0) : rows;
+  const bool has_map = slot_map.numel() > 0;  // empty: plan with the hash table
+  if (has_map) {
+    check_table(slot_map, 16, host_locs.size(1), "slot_map");
+    rows = slot_map.size(0) < rows ? slot_map.size(0) : rows;
+  }
   const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
   host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
                      "hisparse: num_real_reqs must be an int32 device tensor");
@@ -1570,6 +1641,9 @@ BoundResolve bind_layer(
   p.slot_hist = has_reuse ? ptr<int16_t>(slot_history) : nullptr;
   p.hist_stride = has_reuse ? slot_history.stride(0) : 0;
   p.reuse_levels = has_reuse ? ptr<const uint8_t>(reuse_levels) : nullptr;
+  host::RuntimeCheck(!has_map || same_device(slot_map, dev_type, dev_id), "hisparse: slot_map must be on the tables' device");
+  p.slot_map = has_map ? ptr<int16_t>(slot_map) : nullptr;
+  p.map_stride = has_map ? slot_map.stride(0) : 0;
   p.host_kv = ptr<const uint8_t>(host_kv);
   p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
   p.device_kv = ptr<uint8_t>(device_kv);
@@ -1705,7 +1779,8 @@ int64_t resolve_prepare(int64_t block) {
 // [>= table rows, max_context] with contiguous columns, logical_to_device int64 [logical ids]).
 // num_copiers < 0: automatic (fill the GPU, capped by the worst-case miss volume); 0: each planner
 // copies its own misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table
-// policy, which needs slot_history and reuse_levels (the LRU one refuses them).
+// policy, which needs slot_history and reuse_levels (the LRU one refuses them). slot_map: int16
+// [>= table rows, >= max_context] with contiguous columns, the position -> slot map (empty: off).
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 void resolve_bind(
     TensorView bound,
@@ -1725,6 +1800,7 @@ void resolve_bind(
     TensorView logical_to_device,
     TensorView slot_history,
     TensorView reuse_levels,
+    TensorView slot_map,
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
@@ -1735,8 +1811,8 @@ void resolve_bind(
   BoundResolve* dst = detail::bound_storage(bound);
   const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
       hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
-      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, ws_state, ws_flat_host,
-      ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
+      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, slot_map, ws_state,
+      ws_flat_host, ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
   std::memcpy(static_cast<void*>(dst), &b, sizeof(b));
 }
 

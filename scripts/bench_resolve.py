@@ -173,7 +173,10 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
     host_kv = kv_view(bench.host, item)
     device_kv = kv_view(bench.device_flat[: R * (B + 1) * item], item)
     up_tokens = torch.cat([tokens.to(torch.int32), torch.full((R, 1), L - 1, dtype=torch.int32, device=dev)], dim=1)
+    slot_map = torch.full((R, CONTEXT), -1, dtype=torch.int16, device=dev)  # the position -> slot map's state
+    slot_map.scatter_(1, tokens, torch.arange(B, dtype=torch.int16, device=dev).expand(R, B).contiguous())
     return dict(
+        map0=slot_map,
         hist0=random_history(g, (R, B)).contiguous(),  # the reuse policy's state
         levels=reuse_levels(history_table().table).to(dev),
         B=B, item=item, batch=batch, miss_frac=miss_frac, misses=M,
@@ -189,22 +192,26 @@ def make_cell(bench: Bench, B: int, item: int, batch: int, miss_frac: float, see
 class Ours:
     """Our kernel on one cell, called as a server calls it: the layer's resolver bound once
     (``bind_resolve_cuda``), then per call only the batch tensors (the stage-clock build goes
-    through ``resolve_cuda``). ``reuse``: the reuse-table policy (random history, packaged levels)."""
+    through ``resolve_cuda``). ``reuse``: the reuse-table policy (random history, packaged levels).
+    ``slot_map``: planning with the position -> slot map (the cell's tables mapped)."""
 
     def __init__(self, bench: Bench, cell: dict[str, Any], skip_io: bool, block: int = BLOCK,
-                 num_copiers: Optional[int] = None, stage_clock: bool = False, reuse: bool = False) -> None:
+                 num_copiers: Optional[int] = None, stage_clock: bool = False, reuse: bool = False,
+                 slot_map: bool = False) -> None:
         self.bench, self.cell, self.skip_io, self.block, self.num_copiers = bench, cell, skip_io, block, num_copiers
         self.stage_clock, self.reuse = stage_clock, reuse
         self.tokens = cell["tokens0"].clone()
         self.lru = cell["lru0"].clone()
         self.hist = cell["hist0"].clone()
+        self.map = cell["map0"].clone() if slot_map else None
         self.out = torch.empty_like(cell["top_k_positions"])
         c = cell
         self.static = dict(
             hot_locs=c["hot_locs"], slot_tokens=self.tokens, lru=self.lru, host_locs=c["host_locs"],
             host_kv=c["host_kv"], device_kv=c["device_kv"], num_real_reqs=c["num_real"], device_buffer_size=c["B"],
             skip_io=skip_io, num_copiers=num_copiers,
-            **(dict(slot_history=self.hist, reuse_levels=c["levels"]) if reuse else {}))
+            **(dict(slot_history=self.hist, reuse_levels=c["levels"]) if reuse else {}),
+            **(dict(slot_map=self.map) if slot_map else {}))
         self.bound = None if stage_clock else rcuda.bind_resolve_cuda(
             top_k=TOP_K, workspace=bench.ws, block_size=block, **self.static)
 
@@ -212,6 +219,8 @@ class Ours:
         self.tokens.copy_(self.cell["tokens0"])
         self.lru.copy_(self.cell["lru0"])
         self.hist.copy_(self.cell["hist0"])
+        if self.map is not None:
+            self.map.copy_(self.cell["map0"])
 
     def __call__(self) -> None:
         c = self.cell
@@ -249,6 +258,7 @@ def check_ours(ours: Ours) -> bool:
     ours.restore()
     ours()
     ref_tokens, ref_lru, ref_hist = c["tokens0"].clone(), c["lru0"].clone(), c["hist0"].clone()
+    ref_map = c["map0"].clone() if ours.map is not None else None
     ref_out = torch.empty_like(ours.out)
     ref_kv = torch.empty_like(c["device_kv"])
     host_mirror = None if ours.skip_io else c["host_kv"]
@@ -256,10 +266,11 @@ def check_ours(ours: Ours) -> bool:
         top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
         hot_locs=c["hot_locs"], slot_tokens=ref_tokens, lru=ref_lru, host_locs=c["host_locs"],
         host_kv=c["host_kv"], device_kv=ref_kv, out=ref_out, num_real_reqs=c["batch"], device_buffer_size=c["B"],
-        skip_io=True, **(dict(slot_history=ref_hist, reuse_levels=c["levels"]) if ours.reuse else {}),
+        skip_io=True, slot_map=ref_map, **(dict(slot_history=ref_hist, reuse_levels=c["levels"]) if ours.reuse else {}),
     )
     ok = torch.equal(ours.out, ref_out) and torch.equal(ours.tokens, ref_tokens) and torch.equal(ours.lru, ref_lru)
     ok = ok and (not ours.reuse or torch.equal(ours.hist, ref_hist))
+    ok = ok and (ours.map is None or torch.equal(ours.map, ref_map))
     if ok and host_mirror is not None:  # the miss rows now hold their host rows
         miss = ~torch.isin(c["top_k_positions"].long(), torch.cat([c["tokens0"].long(), (c["seq_lens"] - 1)[:, None]], 1))
         rows = ours.out[miss].long()
@@ -307,7 +318,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stage_clock: list[dict[str, Any]] = []
     if args.stage_clock and time.time() < deadline:
         try:
-            stage_clock = run_stage_clock(bench, deadline, twice=args.stage_clock == "twice")
+            stage_clock = run_stage_clock(bench, deadline, twice=args.stage_clock == "twice",
+                                          slot_map=(False, True) if args.slot_map else (False,))
         except KeyboardInterrupt:
             log("[bench] stage clock interrupted")
     if args.sweep and time.time() < deadline:
@@ -339,6 +351,8 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                         impls.append(("upstream", False, Upstream(upstream, cell)))
                     if args.reuse:  # the reuse-table policy's kernel on the same cell
                         impls.append(("ours_reuse", False, Ours(bench, cell, False, reuse=True)))
+                    if args.slot_map:  # planning with the position -> slot map, same cell
+                        impls.append(("ours_map", False, Ours(bench, cell, False, slot_map=True)))
                     line = [tag]
                     for mode in args.timing:
                         for name, skip, impl in impls:
@@ -355,7 +369,8 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                             rows.append({"impl": name, "B": B, "batch": batch, "miss_frac": miss, "item_bytes": item,
                                          "skip_io": skip, "timing": mode, **st})
                             line.append(f"{name}{'(skip-IO)' if skip else ''}[{mode}] {st['median_us']:.1f}us")
-                    ok = check_ours(impls[0][2]) and all(check_ours(i) for n, _, i in impls if n == "ours_reuse")
+                    ok = check_ours(impls[0][2]) and all(check_ours(i) for n, _, i in impls
+                                                         if n in ("ours_reuse", "ours_map"))
                     agree = None
                     if upstream is not None:
                         try:
@@ -396,18 +411,20 @@ def run_sweep(bench: Bench, deadline: float, mode: str) -> list[dict[str, Any]]:
     return out
 
 
-def run_stage_clock(bench: Bench, deadline: float, reps: int = 20, twice: bool = False) -> list[dict[str, Any]]:
+def run_stage_clock(bench: Bench, deadline: float, reps: int = 20, twice: bool = False,
+                    slot_map: tuple[bool, ...] = (False,)) -> list[dict[str, Any]]:
     """Where a planner's time goes: the diagnostic build's per-stage stamps of CTA 0 (median of
-    `reps` launches, each after restore + L2 flush), B=4096, 1152 B."""
+    `reps` launches, each after restore + L2 flush), B=4096, 1152 B; each cell planned with the
+    hash table and, when ``slot_map`` holds True, with the position -> slot map too."""
     out = []
     seed = 2000
     for batch, miss, skip in STAGE_CLOCK_CELLS:
-        for flush in (True, False):
+        for flush, with_map in ((f, m) for f in (True, False) for m in slot_map):
             if time.time() > deadline:
                 break
             seed += 1
             cell = make_cell(bench, 4096, 1152, batch, miss, seed)
-            impl = Ours(bench, cell, skip, stage_clock="twice" if twice else True)
+            impl = Ours(bench, cell, skip, stage_clock="twice" if twice else True, slot_map=with_map)
             samples: list[dict[str, float]] = []
             for _ in range(reps):
                 impl.restore()
@@ -421,7 +438,7 @@ def run_stage_clock(bench: Bench, deadline: float, reps: int = 20, twice: bool =
                 samples.append(rcuda.read_stage_clock(bench.ws))  # synchronises
             med = {k: sorted(sm[k] for sm in samples)[len(samples) // 2] for k in samples[0]}
             row = {"B": 4096, "item_bytes": 1152, "batch": batch, "miss_frac": miss, "skip_io": skip,
-                   "l2_flushed": flush, "second_pass": twice and skip, **med}
+                   "l2_flushed": flush, "slot_map": with_map, "second_pass": twice and skip, **med}
             out.append(row)
             log(f"[stage-clock] {json.dumps(row)}")
     return out
@@ -436,22 +453,29 @@ def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, m
     return None
 
 
-def reuse_section(rows: list[dict[str, Any]], timing: str) -> list[str]:
-    """Markdown lines pairing ours_reuse with ours (LRU) on every cell that has both (none: [])."""
+VARIANTS = (  # (impl, section title, column, ratio label): variants of ours timed on the same cells
+    ("ours_reuse", "The reuse-table policy's kernel (same cell, same misses)", "ours_reuse us", "reuse / LRU"),
+    ("ours_map", "Planning with the position -> slot map (same cell, same outputs)", "ours_map us", "map / hash"),
+)
+
+
+def variant_section(rows: list[dict[str, Any]], timing: str, impl: str, title: str, column: str,
+                    ratio: str) -> list[str]:
+    """Markdown lines pairing a variant of ours with ours (LRU, hash-table planning) on every cell
+    that has both (none: [])."""
     table = []
     for B in BS:
         for item in ITEMS:
             for batch in BATCHES:
                 for miss in MISSES:
                     o = find(rows, "ours", B, item, batch, miss, False, timing)
-                    r = find(rows, "ours_reuse", B, item, batch, miss, False, timing)
+                    r = find(rows, impl, B, item, batch, miss, False, timing)
                     if o and r:
                         table.append(f"| {B} | {item} | {batch} | {miss:g} | {o['median_us']:.1f} | "
                                      f"{r['median_us']:.1f} | {r['median_us'] / o['median_us']:.2f}x |")
     if not table:
         return []
-    return ["", "## The reuse-table policy's kernel (same cell, same misses)", "",
-            "| B | item B | batch | miss | ours (LRU) us | ours_reuse us | reuse / LRU |",
+    return ["", f"## {title}", "", f"| B | item B | batch | miss | ours us | {column} | {ratio} |",
             "|---|---|---|---|---|---|---|", *table]
 
 
@@ -514,7 +538,8 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
             io = batch * n_misses(0.13) * 1152 / ((o["median_us"] - s["median_us"]) * 1e3)
             lines.append(f"- IO rate >= {IO_TARGET_GBPS:g} GB/s at 13% misses, batch {batch}: {io:.1f} GB/s, "
                          f"{'met' if io >= IO_TARGET_GBPS else 'MISSED'}")
-    lines += reuse_section(rows, main)
+    for variant in VARIANTS:
+        lines += variant_section(rows, main, *variant)
     bad = [c["cell"] for c in result["checks"] if not c["ours_matches_oracle"]]
     lines += ["", f"Oracle check of our outputs on every cell: {'all match' if not bad else 'MISMATCH on ' + ', '.join(bad)}."]
     disagree = [c["cell"] for c in result["checks"] if c["upstream_agrees_with_ours"] is False]
@@ -525,10 +550,11 @@ def report_markdown(result: dict[str, Any], machine: str, command: str) -> str:
     if result.get("stage_clock"):
         keys = rcuda.STAGE_CLOCK_STAGES
         lines += ["", "## Where a planner's time goes (diagnostic build, CTA 0, median of 20; cycles at ~1.98 GHz)", "",
-                  "| batch | miss | skip-IO | L2 flushed | " + " | ".join(keys) + " | total cycles | planner ns | copier 0 acquired ns | copier 0 done ns |",
-                  "|---|---|---|---|" + "---|" * (len(keys) + 4)]
+                  "| batch | miss | skip-IO | L2 flushed | slot map | " + " | ".join(keys) + " | total cycles | planner ns | copier 0 acquired ns | copier 0 done ns |",
+                  "|---|---|---|---|---|" + "---|" * (len(keys) + 4)]
         for r in result["stage_clock"]:
             lines.append(f"| {r['batch']} | {r['miss_frac']:g} | {r['skip_io']} | {r.get('l2_flushed', True)} | "
+                         f"{r.get('slot_map', False)} | "
                          + " | ".join(f"{r['cycles_' + k]:.0f}" for k in keys)
                          + f" | {r['cycles_total']:.0f} | {r['ns_planner']:.0f} | {r['ns_copier0_acquired']:.0f} | "
                          f"{r['ns_copier0_done']:.0f} |")
@@ -596,6 +622,9 @@ def main() -> int:
                         help="leave SGLang's kernel out (e.g. at a B it was not built for)")
     parser.add_argument("--no-reuse", dest="reuse", action="store_false",
                         help="leave out ours_reuse (the reuse-table policy's kernel) from the grid")
+    parser.add_argument("--no-map", dest="slot_map", action="store_false",
+                        help="leave out ours_map (planning with the position -> slot map) from the grid and the "
+                             "stage clock")
     parser.add_argument("--timing", nargs="+", choices=("graph", "eager"), default=["graph", "eager"],
                         help="timing modes, the first is the one the tables and targets use (see Bench.time_call)")
     parser.add_argument("--stage-clock", nargs="?", const="once", choices=("once", "twice"), default=None,

@@ -21,10 +21,10 @@ trap 'rm -rf "$TMP"' EXIT
   for item in 1152 656; do
     for kb in "64 64" "64 128" "64 256" "512 512" "512 1024" "512 2048" "2048 2048" "2048 4096" "2048 8192"; do
       set -- $kb
-      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(r$n, (hisparse::resolve<$item, $2, $1, false, false>));"
-      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(s$n, (hisparse::resolve<$item, $2, $1, true, false>));"
-      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(u$n, (hisparse::resolve<$item, $2, $1, false, true>));"  # reuse policy
-      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(v$n, (hisparse::resolve<$item, $2, $1, true, true>));"
+      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(r$n, (hisparse::resolve_launch<$item, $2, $1, false, false>));"
+      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(s$n, (hisparse::resolve_launch<$item, $2, $1, true, false>));"
+      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(u$n, (hisparse::resolve_launch<$item, $2, $1, false, true>));"  # reuse policy
+      echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(v$n, (hisparse::resolve_launch<$item, $2, $1, true, true>));"
       n=$((n + 1))
     done
     echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(p$item, (hisparse::replay<$item>));"

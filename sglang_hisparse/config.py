@@ -85,6 +85,11 @@ class HiSparseConfig:
     """Hot-buffer replacement policy: ``lru`` (least recently used slot first) or ``reuse`` (the
     history-only reuse table of docs/policies.md: per-slot age and selection count, the packaged
     table decides which unselected slot goes first, ties by LRU; resolver/reference.py)."""
+    slot_map: bool = False
+    """Plan with a per-request position -> slot map (int16 per layer, request slot and position of
+    the context: ``2 x layers x max_running_requests x context`` bytes of device memory, logged at
+    start-up) instead of hashing each step's selections: the CUDA kernel then looks each selected
+    position up once (docs/kernel.md, "Position -> slot map"). Same outputs either way."""
     query_rows: int = dataclasses.field(default=1, metadata={"derived": True})
     """Query rows per request in a decode step: 1, or with linear speculative decoding the verify
     window, ``--speculative-num-draft-tokens`` (draft steps + 1). Set from the server's
@@ -238,6 +243,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], quer
         residency=_require_bool(raw, "residency", False),
         residency_watermark=_watermark(raw),
         replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
+        slot_map=_require_bool(raw, "slot_map", False),
         query_rows=query_rows,
     )
 

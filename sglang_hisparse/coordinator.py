@@ -82,12 +82,17 @@ class HiSparseCoordinator:
         self.tp_group = tp_group
         max_reqs = req_to_token_pool.req_to_token.shape[0]
         reuse = self.config.replacement == "reuse"
-        self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
-                              buffer_size=device_buffer_size, device=device, history=reuse,
-                              window=self.config.query_rows)
         ratio = host_to_device_ratio if host_to_device_ratio_override is None else host_to_device_ratio_override
         self.mirror = HostMirror(self.device_pool, ratio, max_reqs=max_reqs, max_context=req_to_token_pool.max_context_len,
                                  device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
+        map_columns = self.mirror.row_table.shape[1] if self.config.slot_map else 0
+        self.hot = HotBuffers(self.allocator, layers=self.device_pool.layer_num, max_reqs=max_reqs,
+                              buffer_size=device_buffer_size, device=device, history=reuse,
+                              window=self.config.query_rows, map_columns=map_columns)
+        if self.hot.slot_map is not None:
+            logger.info("sglang-hisparse: position -> slot map: %d layers x %d requests x %d positions, %.1f MiB "
+                        "of device memory", *self.hot.slot_map.shape,
+                        self.hot.slot_map.numel() * self.hot.slot_map.element_size() / 2**20)
         # protocol attributes SGLang reads: the components' objects (updated in place, never rebound)
         self.mem_pool_host, self.padded_buffer_size = self.mirror.pool, self.hot.padded
         self.req_to_host_pool, self.req_to_host_pool_allocated_len = self.mirror.row_table, self.mirror.rows_allocated

@@ -17,6 +17,12 @@ request slot this table owns (preallocated, fixed addresses for CUDA graphs):
 * ``history`` (int16 [layers, max_reqs, B], only with ``replacement: "reuse"``, else None): each
   layer's packed per-slot age and selection count (``replacement/reuse.py``; written by the
   resolver, zeroed here wherever ``recency`` is reset);
+* ``slot_map`` (int16 [layers, max_reqs, map_columns], only with ``slot_map: true``, else None):
+  each layer's position -> slot map, a hint the kernel validates against ``slot_positions``
+  (resolver/reference.py). Invariant: ``slot_positions[l, r, s] == p >= 0`` implies
+  ``slot_map[l, r, p] == s``. Written here where slots are filled (``open`` with ``filled``,
+  ``open_with_rows``) and by the resolver for each miss; never cleared (``close`` leaves stale
+  entries, which no slot table confirms);
 * ``window_start`` (int64 [max_reqs], only for N > 1): the first position of each request's
   current window (positions ``>= B`` of the previous window are read from there by the next
   step's write-through).
@@ -41,7 +47,9 @@ import torch
 
 class HotBuffers:
     def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device,
-                 history: bool = False, window: int = 1):
+                 history: bool = False, window: int = 1, map_columns: int = 0):
+        """``map_columns`` > 0: keep the position -> slot map with that many positions per row (the
+        host row table's columns); 0: none."""
         page = allocator.page_size
         self.allocator = allocator
         self.buffer_size = B = buffer_size
@@ -57,6 +65,10 @@ class HotBuffers:
         self.recency.copy_(self._slot_numbers.to(torch.int16).expand_as(self.recency))
         self.history: Optional[torch.Tensor] = (
             torch.zeros((layers, max_reqs, B), dtype=torch.int16, device=device) if history else None)
+        self.slot_map: Optional[torch.Tensor] = (
+            torch.full((layers, max_reqs, map_columns), -1, dtype=torch.int16, device=device) if map_columns > 0
+            else None)
+        self._map_prefix = min(B, map_columns)  # positions 0 .. B-1 a filled buffer holds, within the map
         self.window_start: Optional[torch.Tensor] = (
             torch.zeros(max_reqs, dtype=torch.int64, device=device) if window > 1 else None)
         self._window_offsets = torch.arange(window, dtype=torch.int64, device=device)
@@ -83,6 +95,8 @@ class HotBuffers:
         self.capacity[idx] = keep
         self.reserve[idx] = self.padded - keep
         self.slot_positions[:, idx] = self._slot_numbers if filled else -1
+        if filled and self.slot_map is not None:
+            self.slot_map[:, idx, : self._map_prefix] = self._slot_numbers[: self._map_prefix].to(torch.int16)
         self._reset_order(idx)
         if self.window_start is not None:
             self.window_start[idx] = logical_ids.numel()
@@ -97,7 +111,11 @@ class HotBuffers:
         self.slot_rows[idx] = rows.to(torch.int32)
         self.capacity[idx] = self.padded
         self.reserve[idx] = 0
-        self.slot_positions[:, idx] = positions[: self.buffer_size].to(torch.int32)
+        held = positions[: self.buffer_size].to(torch.int32)
+        self.slot_positions[:, idx] = held
+        if self.slot_map is not None:
+            slots = (held >= 0).nonzero(as_tuple=True)[0]
+            self.slot_map[:, idx, held[slots].long()] = slots.to(torch.int16)
         self._reset_order(idx)
 
     def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
@@ -159,7 +177,8 @@ class HotBuffers:
     # --- closing -----------------------------------------------------------------------------
     def close(self, idx: int) -> None:
         """Give request slot ``idx``'s rows and unused reserve back and reset its tables
-        (idempotent). The caller unmaps the request's logical ids first."""
+        (idempotent; the slot map keeps its entries: with every slot empty none is confirmed).
+        The caller unmaps the request's logical ids first."""
         if self.capacity[idx]:
             rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
             self.allocator.release_hot_buffer(rows, self.reserve[idx])

@@ -51,7 +51,8 @@ class LayerResolve:
                         host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer],
                         device_kv=device_pool.kv_buffer[layer], num_real_reqs=num_real_reqs,
                         device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
-                        **self._policy_tables(hot, layer, reuse_levels))
+                        **self._policy_tables(hot, layer, reuse_levels),
+                        **({} if hot.slot_map is None else dict(slot_map=hot.slot_map[layer])))
 
         self._layers = [resolver.bind(
             plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,

@@ -77,6 +77,7 @@ class Rig:
         indexshare_prefetch: bool = True,
         replacement: str = "lru",
         query_rows: int = 1,
+        slot_map: bool = False,
     ):
         self.layers = layers
         self.query_rows = query_rows
@@ -96,7 +97,7 @@ class Rig:
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
             residency=residency, residency_watermark=residency_watermark, indexshare_prefetch=indexshare_prefetch,
-            replacement=replacement, query_rows=query_rows,
+            replacement=replacement, query_rows=query_rows, slot_map=slot_map,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,
@@ -222,6 +223,22 @@ class Rig:
                 want = true_row(r.uid, layer, p)
                 assert torch.equal(got, want), f"req {r.uid} layer {layer} pos {p}: row {row} holds {got[0].item()}"
             assert out[i, len(sel):].eq(-1).all()
+        self.check_slot_map()
+
+    def check_slot_map(self) -> None:
+        """With the position -> slot map: its invariant in every layer of every request slot that
+        holds a hot buffer (a slot holding position p is the one the map names for p)."""
+        hot = self.coord.hot
+        if hot.slot_map is None:
+            return
+        for idx in range(len(hot.capacity)):
+            if not hot.holds(idx):
+                continue
+            for layer in range(self.layers):
+                tokens = hot.slot_positions[layer, idx].long()
+                held = (tokens >= 0).nonzero(as_tuple=True)[0]
+                named = hot.slot_map[layer, idx, tokens[held]].long()
+                assert torch.equal(named, held), f"slot map of request slot {idx}, layer {layer}"
 
     # --- speculative verify steps (query_rows = N tokens per request) ------------------------
     def verify_step(self, reqs: list, accepts: list) -> None:

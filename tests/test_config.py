@@ -48,6 +48,7 @@ def test_all_keys_round_trip():
         "residency": True,
         "residency_watermark": 0.125,
         "replacement": "reuse",
+        "slot_map": True,
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == {**raw, "query_rows": 1}  # query_rows: derived, not a key
@@ -61,6 +62,11 @@ def test_query_rows_comes_from_the_server_not_from_the_config():
     parse_hisparse_config('{"device_buffer_size": 192}', model_index_topk=64, query_rows=3)
     with pytest.raises(HiSparseConfigError, match="must be in \\[3 x top_k=192"):
         parse_hisparse_config('{"device_buffer_size": 191}', model_index_topk=64, query_rows=3)
+
+
+def test_slot_map_is_off_by_default():
+    assert parse_hisparse_config(None).slot_map is False
+    assert parse_hisparse_config('{"slot_map": true}').slot_map is True
 
 
 def test_replacement_defaults_to_lru():
@@ -98,6 +104,7 @@ def test_config_is_frozen():
         ('{"residency_watermark": true}', "invalid residency_watermark=true: must be a number in [0, 0.5]"),
         ('{"replacement": "lfu"}', 'invalid replacement="lfu": must be one of lru, reuse'),
         ('{"replacement": true}', "invalid replacement=true: must be one of lru, reuse"),
+        ('{"slot_map": 1}', "invalid slot_map=1: must be true or false"),
         ('{"stats_log_interval": -1}', "invalid stats_log_interval=-1: must be an integer >= 0 (0 = off)"),
     ],
 )

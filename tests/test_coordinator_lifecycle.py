@@ -62,6 +62,25 @@ def test_long_request_resolves_exactly_over_many_steps(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
+def test_long_request_with_the_slot_map(gloo_world, caplog):
+    """slot_map on: the map's size is logged, the request resolves exactly with the same misses
+    as without the map (the same selections), and after every layer call the map names the slot
+    of every held position (Rig.check_slot_map; the writers here: open with filled slots, and the
+    resolver)."""
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.coordinator"):
+        rig = Rig(gloo_world, slot_map=True)
+    slot_map = rig.coord.hot.slot_map
+    layers, reqs, cols = slot_map.shape
+    assert (layers, cols, slot_map.dtype) == (2, rig.coord.mirror.row_table.shape[1], torch.int16)
+    assert f"position -> slot map: 2 layers x {reqs} requests x {cols} positions" in caplog.text
+    req = decode_one_long_request(rig)
+    plain = Rig(gloo_world)
+    decode_one_long_request(plain)
+    assert rig.coord.stats.totals() == plain.coord.stats.totals()
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
 def assert_tables_reset(rig: Rig) -> None:
     """Every request slot without a hot buffer has its per-layer tables at their reset values:
     no positions, recency in slot order, history (reuse policy) zero."""

@@ -104,8 +104,9 @@ def test_resident_growth_below_the_watermark_demotes_before_the_step(gloo_world)
     assert rig.counts() == rig.initial_counts
 
 
-def test_a_demoted_request_keeps_the_pages_its_last_step_selected(gloo_world):
-    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0, top_k=32)
+@pytest.mark.parametrize("slot_map", [False, True])
+def test_a_demoted_request_keeps_the_pages_its_last_step_selected(gloo_world, slot_map):
+    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0, top_k=32, slot_map=slot_map)
     req = Request(uid=1, prompt_len=10 * PAGE)
     assert rig.prefill(req)
     rig.stage(req)
@@ -120,6 +121,7 @@ def test_a_demoted_request_keeps_the_pages_its_last_step_selected(gloo_world):
     assert rig.coord.hot.holds(idx)
     slot_rows = rig.coord.hot.slot_rows[idx].to(torch.int64)
     assert set(rows_before[2 * PAGE : 3 * PAGE].tolist()) <= set(slot_rows.tolist())
+    rig.check_slot_map()  # the demotion's writer (open_with_rows) named every held position's slot
     for layer in range(rig.layers):  # page 2 is held: selecting it again copies nothing
         before = rig.coord.stats.totals()[1]
         rig.resolve_and_check([req], layer, [favourite])
@@ -148,12 +150,13 @@ def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages()
     assert ResidencyPolicy(watermark_rows=10).admits(10) and not ResidencyPolicy(watermark_rows=10).admits(9)
 
 
-@pytest.mark.parametrize("replacement", ["lru", "reuse"])
+@pytest.mark.parametrize("replacement, slot_map", [("lru", False), ("reuse", False), ("lru", True)])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
-def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, replacement, seed, overlap, watermark):
+def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, replacement, slot_map, seed, overlap,
+                                                                      watermark):
     rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark,
-              replacement=replacement)
+              replacement=replacement, slot_map=slot_map)
     run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350, 600], finish_after=700)
     assert rig.counts() == rig.initial_counts
 

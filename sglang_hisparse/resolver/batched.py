@@ -18,7 +18,8 @@ plan rows and counters untouched; plan count 0). Where the kernel counts an erro
 
 With ``slot_history`` and ``reuse_levels`` (the reuse policy, see ``reference.py``) the victims
 are the evictable slots of lowest ``level * (B + 1) + LRU position``, taken in LRU order, and the
-long rows' history is updated; everything is batched as for LRU.
+long rows' history is updated; everything is batched as for LRU. With ``slot_map`` (the
+position -> slot map, see ``reference.py``) each miss's entry is written.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def resolve_batched(
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None,
     reuse_levels: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
 
@@ -109,7 +111,8 @@ def resolve_batched(
     result = torch.where(newest & longr[:, None], hot[:, B : B + 1].expand(n, K), result)
 
     _write_misses(miss, pos, victim, dev_row, r, host_locs=host_locs, host_kv=host_kv, device_kv=device_kv,
-                  slot_tokens=slot_tokens, skip_io=skip_io, plan_rows=None if plan is None else (plan, miss_rank))
+                  slot_tokens=slot_tokens, skip_io=skip_io, plan_rows=None if plan is None else (plan, miss_rank),
+                  slot_map=slot_map)
     long_idx = longr.nonzero(as_tuple=True)[0]
     if long_idx.numel() > 0:
         lru[r[long_idx]] = new_order[long_idx].to(lru.dtype)
@@ -128,8 +131,9 @@ def resolve_batched(
 
 def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, dev_row: torch.Tensor,
                   r: torch.Tensor, *, host_locs, host_kv, device_kv, slot_tokens, skip_io: bool,
-                  plan_rows: Optional[tuple]) -> None:
-    """Every miss (``miss`` [n, K]) takes its victim slot: the slot table learns the position, the
+                  plan_rows: Optional[tuple], slot_map: Optional[torch.Tensor] = None) -> None:
+    """Every miss (``miss`` [n, K]) takes its victim slot: the slot table (and ``slot_map``, when
+    given) learns the position, the
     host row is copied into the slot's device row (unless ``skip_io``), and ``plan_rows``
     ``(plan, miss_rank)`` records (host row, device row) at the miss's rank in top-k order."""
     mi, mj = miss.nonzero(as_tuple=True)
@@ -138,6 +142,8 @@ def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, d
     m_pos, m_slot, m_dev = pos[mi, mj], victim[mi, mj], dev_row[mi, mj]
     m_host = host_locs[r[mi], m_pos]
     slot_tokens[r[mi], m_slot] = m_pos.to(slot_tokens.dtype)
+    if slot_map is not None:
+        slot_map[r[mi].to(slot_map.device), m_pos.to(slot_map.device)] = m_slot.to(slot_map.device, slot_map.dtype)
     if not skip_io:
         rows = host_kv.index_select(0, m_host.to(host_kv.device)).to(device_kv.device)
         device_kv.index_copy_(0, m_dev.to(device_kv.device), rows)

@@ -19,6 +19,10 @@ reference's preconditions:
   drawn from ``reuse_levels`` distinct values: 1 makes every slot tie, i.e. LRU order) and random
   history words in every layer (ages skewed small, some saturated; counts 0-127), one layer's
   rows as ``slot_history``;
+* with ``slot_map`` on (the position -> slot map), the case passes an int16 ``slot_map`` row per
+  pool row and position of the context (and 3 columns more): every held position names its slot
+  (the map's invariant), every other entry is garbage, mostly slots that hold other positions
+  (stale entries), some out of range;
 * ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
   random over the host pool.
 
@@ -113,6 +117,7 @@ class CaseSpec:
     rtt_row_pad: int = 0  # > 0: req_to_token is a view with a wider row stride
     reuse: bool = False  # pass slot_history / reuse_levels (the reuse-table policy)
     reuse_levels: int = 54  # with reuse: distinct levels drawn for the 54 cells (1: LRU order)
+    slot_map: bool = False  # pass slot_map (the position -> slot map)
 
     def describe(self) -> str:
         d = dataclasses.asdict(self)
@@ -167,11 +172,13 @@ def random_spec(
         topk_row_pad=rng.choice([0, 0, 0, 8]),
         **_residency_knobs(random.Random(seed ^ _RESIDENCY_SALT)),
         **_reuse_knobs(random.Random(seed ^ _REUSE_SALT)),
+        slot_map=random.Random(seed ^ _MAP_SALT).random() < 0.4,
     )
 
 
 _RESIDENCY_SALT = 0x7E51DE47
 _REUSE_SALT = 0x2E05E7AB
+_MAP_SALT = 0x51075A9
 
 
 def _reuse_knobs(rng: random.Random) -> dict[str, Any]:
@@ -259,6 +266,7 @@ class Case:
     slot_tokens_all: dict[str, torch.Tensor] = field(default_factory=dict)
     lru_all: dict[str, torch.Tensor] = field(default_factory=dict)
     history_all: dict[str, torch.Tensor] = field(default_factory=dict)  # with reuse only
+    map_all: dict[str, torch.Tensor] = field(default_factory=dict)  # with slot_map only
 
     def kernel_kwargs(self) -> dict[str, Any]:
         return dict(self.inputs, **self.kernel, host_kv=self.host_kv, device_kv=self.kernel_kv)
@@ -476,12 +484,29 @@ def make_case(
     if history_all:
         kernel["slot_history"] = history_all["kernel"][spec.layer]
         ref["slot_history"] = history_all["ref"][spec.layer]
+    map_all: dict[str, torch.Tensor] = {}
+    if spec.slot_map:  # drawn last, for the same reason
+        slot_map = _slot_map(gen, tokens, ctx + 3, B)
+        map_all = {"kernel": slot_map.clone(), "ref": slot_map.clone()}
+        kernel["slot_map"], ref["slot_map"] = map_all["kernel"], map_all["ref"]
     return Case(
         spec=spec, inputs=inputs, kernel=kernel, ref=ref, kernel_kv=kernel_kv, ref_kv=ref_kv,
         device_rows=D, host_kv=host_kv, host_mirror=mirror,
         slot_tokens_all={"kernel": tok_k, "ref": tok_r}, lru_all={"kernel": lru_k, "ref": lru_r},
-        history_all=history_all,
+        history_all=history_all, map_all=map_all,
     )
+
+
+def _slot_map(gen: torch.Generator, tokens: torch.Tensor, cols: int, B: int) -> torch.Tensor:
+    """A position -> slot map (int16 [R, cols]) for the slot tables ``tokens`` [R, B]: held
+    positions name their slot; the rest is garbage in [-3, B + 3), mostly in-range slots that hold
+    other positions (stale entries the kernel must not take for hits)."""
+    R = tokens.shape[0]
+    dev = tokens.device
+    slot_map = torch.randint(-3, B + 3, (R, cols), generator=gen, device=dev).to(torch.int16)
+    rows, slots = (tokens >= 0).nonzero(as_tuple=True)
+    slot_map[rows, tokens[rows, slots]] = slots.to(torch.int16)
+    return slot_map
 
 
 def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -500,6 +525,8 @@ def differences(case: Case) -> list[str]:
         bad.append("lru")
     if case.history_all and not torch.equal(case.history_all["kernel"], case.history_all["ref"]):
         bad.append("slot_history")
+    if case.map_all and not torch.equal(case.map_all["kernel"], case.map_all["ref"]):
+        bad.append("slot_map")
     if not _bytes_equal(case.kernel_kv, case.ref_kv):
         bad.append("device_kv")
     if k["plan"] is not None:
@@ -527,6 +554,8 @@ def describe_difference(case: Case, name: str, limit: int = 8) -> str:
     }
     if case.history_all:
         pairs["slot_history"] = (case.history_all["kernel"], case.history_all["ref"])
+    if case.map_all:
+        pairs["slot_map"] = (case.map_all["kernel"], case.map_all["ref"])
     if k["plan"] is not None:
         pairs["plan.counts"] = (k["plan"].counts, r["plan"].counts)
         pairs["plan.host_rows"] = (k["plan"].host_rows, r["plan"].host_rows)

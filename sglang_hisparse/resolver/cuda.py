@@ -339,6 +339,15 @@ def _check_reuse(slot_history: torch.Tensor, reuse_levels: torch.Tensor, B: int,
     _check(int(reuse_levels.max()) < 64, "reuse_levels values must be < 64 (the kernel's level histogram)")
 
 
+def _check_slot_map(slot_map: torch.Tensor, table_rows: int, max_context: int, device: torch.device) -> None:
+    """The checks of the position -> slot map (the kernel's): int16, one row per table row, a
+    column per position of ``host_locs``, contiguous columns, on the tables' device."""
+    _check_table(slot_map, torch.int16, "slot_map", device)
+    _check(slot_map.shape[0] >= table_rows and slot_map.shape[1] >= max_context,
+           f"slot_map needs >= {table_rows} rows and >= max_context = {max_context} columns, "
+           f"has {tuple(slot_map.shape)}")
+
+
 def _check_residency(
     resident: torch.Tensor, req_to_token: torch.Tensor, logical_to_device: torch.Tensor, table_rows: int,
     device: torch.device,
@@ -372,15 +381,15 @@ class _Static:
     """(hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv)"""
     extras: tuple
     """(plan host rows, plan device rows, plan counts, counters, resident, req_to_token,
-    logical_to_device, slot_history, reuse_levels, workspace state, miss-list host rows,
+    logical_to_device, slot_history, reuse_levels, slot_map, workspace state, miss-list host rows,
     miss-list device rows, spill buffer, block, copiers, spin timeout)"""
 
 
 def _validate_static(
     *, hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, device_buffer_size: int, top_k: int,
     workspace: ResolveWorkspace, residency: Optional[tuple] = None, reuse: Optional[tuple] = None,
-    skip_io: bool = False, plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
-    block_size: Optional[int] = None, num_copiers: Optional[int] = None,
+    slot_map: Optional[torch.Tensor] = None, skip_io: bool = False, plan: Optional[MissPlan] = None,
+    counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
 ) -> _Static:
     """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
     B, device = int(device_buffer_size), workspace.device
@@ -390,6 +399,8 @@ def _validate_static(
     table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
     if reuse is not None:
         _check_reuse(*reuse, B, table_rows, device)
+    if slot_map is not None:
+        _check_slot_map(slot_map, table_rows, int(host_locs.shape[1]), device)
     if residency is not None:
         _check_residency(*residency, table_rows, device)
     if plan is not None:
@@ -408,7 +419,8 @@ def _validate_static(
     extras = (
         plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32, counters if counters is not None else e64,
-        resident, req_to_token, logical_to_device, slot_history, levels, workspace.state, workspace.flat_host_rows,
+        resident, req_to_token, logical_to_device, slot_history, levels,
+        slot_map if slot_map is not None else workspace.empty_i16, workspace.state, workspace.flat_host_rows,
         workspace.flat_device_rows, workspace.planner_spill, block, -1 if num_copiers is None else int(num_copiers),
         spin_timeout_ns(),
     )
@@ -515,6 +527,7 @@ def resolve_cuda(
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None,
     reuse_levels: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None,
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_copiers: Optional[int] = None,
@@ -523,7 +536,7 @@ def resolve_cuda(
     """Resolve one layer for a batch on the GPU (semantics: :func:`reference.resolve_reference`).
 
     Side effects (all on the current stream, asynchronous): writes ``out[:num_real]``, the victims'
-    ``slot_tokens``, the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
+    ``slot_tokens`` (and, with ``slot_map``, the misses' map entries), the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
     Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
     (and a plan count of 0); the three tables are only read, so their contents (not their
@@ -553,13 +566,15 @@ def resolve_cuda(
            _signature(slot_tokens), _signature(lru), _signature(host_locs), _signature(host_kv), _signature(device_kv),
            None if residency is None else tuple(_signature(t) for t in residency),
            None if reuse is None else tuple(_signature(t) for t in reuse),
+           None if slot_map is None else _signature(slot_map),
            None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
            None if counters is None else _signature(counters), _signature(workspace.state), _signature(num_real))
     layer = _static_checked.get(key)
     static = layer.static if layer is not None else _validate_static(
         hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
         device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
-        residency=residency, reuse=reuse, workspace=workspace, block_size=block_size, num_copiers=num_copiers)
+        residency=residency, reuse=reuse, slot_map=slot_map, workspace=workspace, block_size=block_size,
+        num_copiers=num_copiers)
     if num_reqs == 0:
         return  # validated, nothing to launch (binding would build the kernel module)
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)  # `num_real`, checked (an int written)

@@ -45,6 +45,13 @@ resident, ``L > B``) are affected, resident and fast-path requests and padding r
 * With all levels equal the result is exactly LRU's (outputs, tables, copies, plan, counters),
   plus the history update. Copies, plan and counters are as for LRU.
 
+Position -> slot map (``slot_map``, optional; ``slot_map: true`` in the config): int16
+[max_reqs, >= max_context], a hint the CUDA kernel plans with instead of a hash table of the
+selections. It does not change any result above. Its invariant, kept by every writer: a slot
+``s`` holding position ``p >= 0`` (``slot_tokens[r, s] == p``) has ``slot_map[r, p] == s``;
+entries of positions no slot holds are stale and never read as hits (the kernel checks the
+slot's token). The resolver keeps it by writing each miss's entry: ``slot_map[r, p] = s``.
+
 Preconditions: selected positions of a request are distinct and in ``[-1, L)``; B >= the number
 of non-newest selections. Tensors are updated in place; the function allocates only temporaries.
 """
@@ -105,6 +112,7 @@ def resolve_reference(
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None,
     reuse_levels: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
 
@@ -132,6 +140,8 @@ def resolve_reference(
         slot_history: int16 [max_reqs, B] this layer's packed per-slot history (reuse policy);
             updated in place. With ``reuse_levels`` (uint8 [54]); both or neither (LRU).
         reuse_levels: uint8 [54] eviction level of each history cell (reuse policy).
+        slot_map: int16 [max_reqs, >= max_context] this layer's position -> slot map (module
+            docstring); each miss's entry is written.
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
     policy = policy_tables(slot_history, reuse_levels)
@@ -151,7 +161,7 @@ def resolve_reference(
             result = [int(hot_locs[r, p]) if p >= 0 else -1 for p in positions]
         else:
             result, copies, selected = _resolve_request(r, seq_len, positions, device_buffer_size, hot_locs,
-                                                        slot_tokens, lru, host_locs, slot_history, levels)
+                                                        slot_tokens, lru, host_locs, slot_history, levels, slot_map)
             stats.selected += selected
         for host_row, device_row in copies if not skip_io else ():
             device_kv[device_row].copy_(host_kv[host_row])
@@ -189,12 +199,13 @@ def residency_tables(resident, req_to_token, logical_to_device):
 def _resolve_request(
     r: int, seq_len: int, positions: list[int], B: int, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
     lru: torch.Tensor, host_locs: torch.Tensor, slot_history: Optional[torch.Tensor] = None,
-    levels: Optional[torch.Tensor] = None,
+    levels: Optional[torch.Tensor] = None, slot_map: Optional[torch.Tensor] = None,
 ) -> tuple[list[int], list[tuple[int, int]], int]:
     """One request past the fast path: its device rows in top-k order, the copies its misses need
     as (host row, device row) in top-k order, and how many positions were selected (the newest
     token and padding excluded). Updates the request's ``slot_tokens`` and ``lru`` rows, and with
-    the reuse policy (``slot_history`` and the CPU ``levels``) its ``slot_history`` row."""
+    the reuse policy (``slot_history`` and the CPU ``levels``) its ``slot_history`` row, and with a
+    ``slot_map`` the misses' entries of its row."""
     result = [-1] * len(positions)
     slot_of = {tok: slot for slot, tok in enumerate(slot_tokens[r].tolist()) if tok >= 0}
     hit_slots: set[int] = set()
@@ -228,6 +239,8 @@ def _resolve_request(
         device_row = int(hot_locs[r, slot])
         copies.append((int(host_locs[r, positions[j]]), device_row))
         slot_tokens[r, slot] = positions[j]
+        if slot_map is not None:
+            slot_map[r, positions[j]] = slot
         result[j] = device_row
     new_order = rest + victims + [slot for slot in order if slot in hit_slots]
     lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))

@@ -40,6 +40,7 @@ struct Args {
   torch::Tensor plan_host, plan_dev, plan_counts, counters, state, flat_host, flat_dev, spill;
   torch::Tensor resident, req_to_token, logical_to_device;  // all empty: residency off
   torch::Tensor slot_history, reuse_levels;  // both empty: LRU
+  torch::Tensor slot_map;  // empty: hash-table planning
   int64_t block, copiers;
   bool concurrent;
 };
@@ -112,6 +113,14 @@ void run_resolve(const Args& a) {
     p.hist_stride = a.slot_history.stride(0);
     p.reuse_levels = ptr<const uint8_t>(a.reuse_levels);
   }
+  if (a.slot_map.numel() > 0) {  // the host wrapper's check of the position -> slot map, in short
+    TORCH_CHECK(a.slot_map.dim() == 2 && a.slot_map.scalar_type() == torch::kInt16 &&
+                    a.slot_map.size(1) >= p.max_context && a.slot_map.stride(1) == 1,
+                "slot_map must be int16 [rows, >= max_context] with contiguous columns");
+    p.table_rows = std::min(p.table_rows, a.slot_map.size(0));
+    p.slot_map = ptr<int16_t>(a.slot_map);
+    p.map_stride = a.slot_map.stride(0);
+  }
   p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
   p.flat_host = ptr<int64_t>(a.flat_host);
   p.flat_dev = ptr<int32_t>(a.flat_dev);
@@ -169,6 +178,7 @@ const std::map<Key, ResolveFn>& table() {
       HISPARSE_EMU_CONFIG(1152, 32, 32), HISPARSE_EMU_CONFIG(656, 32, 32),  HISPARSE_EMU_CONFIG(1152, 64, 32),
       HISPARSE_EMU_CONFIG(656, 64, 32),  HISPARSE_EMU_CONFIG(1152, 64, 64), HISPARSE_EMU_CONFIG(656, 64, 64),
       HISPARSE_EMU_CONFIG(1152, 256, 64), HISPARSE_EMU_CONFIG(656, 256, 64),
+      HISPARSE_EMU_CONFIG(656, 64, 8),  // hash region < B: the map's candidates checked in global memory
       HISPARSE_EMU_CONFIG(1152, 40, 16),  HISPARSE_EMU_CONFIG(656, 96, 48),  // spilled (see kPlanSpills above)
   };
   return t;
@@ -187,13 +197,14 @@ void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor top
              torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
              torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
              torch::Tensor resident, torch::Tensor req_to_token, torch::Tensor logical_to_device,
-             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor state, torch::Tensor flat_host,
+             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor slot_map, torch::Tensor state,
+             torch::Tensor flat_host,
              torch::Tensor flat_dev, torch::Tensor spill, int64_t block, int64_t copiers, bool concurrent) {
   const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
   TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
   it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
                   plan_dev, plan_counts, counters, state, flat_host, flat_dev, spill, resident, req_to_token,
-                  logical_to_device, slot_history, reuse_levels, block, copiers, concurrent});
+                  logical_to_device, slot_history, reuse_levels, slot_map, block, copiers, concurrent});
 }
 
 void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts,

@@ -50,6 +50,29 @@ def build(tsan: bool = False, build_dir: Optional[Path] = None) -> Any:
     )
 
 
+def emulate(emu: Any, case: Any, ws: Any, block: int, concurrent: bool) -> None:
+    """One emulated launch of ``case``'s kernel arguments on workspace ``ws`` (its outputs: the
+    case's kernel tensors)."""
+    e64 = torch.empty(0, dtype=torch.int64)
+    e32 = torch.empty(0, dtype=torch.int32)
+    e8 = torch.empty(0, dtype=torch.uint8)
+    e16 = torch.empty(0, dtype=torch.int16)
+    spec = case.spec
+    kw = case.kernel_kwargs()
+    plan, ctr = kw["plan"], kw["counters"]
+    emu.resolve(
+        spec.item_bytes, spec.B, spec.top_k, spec.skip_io, kw["top_k_positions"], kw["seq_lens"],
+        kw["req_pool_indices"], kw["hot_locs"], kw["slot_tokens"], kw["lru"], kw["host_locs"], kw["host_kv"],
+        kw["device_kv"], kw["out"], kw["num_real_reqs"],
+        plan.host_rows if plan else e64, plan.device_rows if plan else e32, plan.counts if plan else e32,
+        ctr if ctr is not None else e64,
+        kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
+        kw.get("slot_history", e16), kw.get("reuse_levels", e8), kw.get("slot_map", e16), ws.state,
+        ws.flat_host_rows, ws.flat_device_rows, ws.planner_spill,
+        block, -1 if spec.num_copiers is None else spec.num_copiers, concurrent,
+    )
+
+
 def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024) -> tuple[int, list[str]]:
     """Run ``cases`` random cases (sequential or concurrent CTAs); returns (failures, reports)."""
     from sglang_hisparse.resolver import cuda as rcuda
@@ -69,10 +92,6 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
     ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
     configs = emu.configs()
     rng = random.Random(seed)
-    e64 = torch.empty(0, dtype=torch.int64)
-    e32 = torch.empty(0, dtype=torch.int32)
-    e8 = torch.empty(0, dtype=torch.uint8)
-    e16 = torch.empty(0, dtype=torch.int16)
     failures = 0
     reports: list[str] = []
     for c in range(cases):
@@ -81,20 +100,9 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
         spec = random_spec(rng, item_bytes=item, B=B, top_k=K, block_size=block, max_batch=10,
                            seed=rng.randrange(1 << 60))
         case = make_case(spec, pool, kbuf, rbuf, dev)
-        kw = case.kernel_kwargs()
-        plan, ctr = kw["plan"], kw["counters"]
+        plan = case.kernel["plan"]
         concurrent = rng.random() < 0.3
-        emu.resolve(
-            item, B, K, spec.skip_io, kw["top_k_positions"], kw["seq_lens"], kw["req_pool_indices"],
-            kw["hot_locs"], kw["slot_tokens"], kw["lru"], kw["host_locs"], kw["host_kv"], kw["device_kv"],
-            kw["out"], kw["num_real_reqs"],
-            plan.host_rows if plan else e64, plan.device_rows if plan else e32, plan.counts if plan else e32,
-            ctr if ctr is not None else e64,
-            kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
-            kw.get("slot_history", e16), kw.get("reuse_levels", e8), ws.state, ws.flat_host_rows, ws.flat_device_rows,
-            ws.planner_spill,
-            block, -1 if spec.num_copiers is None else spec.num_copiers, concurrent,
-        )
+        emulate(emu, case, ws, block, concurrent)
         resolve_batched(**case.ref_kwargs())
         bad = differences(case)
         words = ws.state[[0, 32, 64, 96]].tolist()
@@ -104,7 +112,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
             byte = rng.randrange(256)
             case.kernel_kv.view(torch.uint8).fill_(byte)
             case.ref_kv.view(torch.uint8).fill_(byte)
-            emu.replay(item, plan.host_rows, plan.device_rows, plan.counts, kw["num_real_reqs"], case.host_kv,
+            emu.replay(item, plan.host_rows, plan.device_rows, plan.counts, case.kernel["num_real_reqs"], case.host_kv,
                        case.kernel_kv, ws.state, rng.choice([32, 64, 128]), rng.choice([1, 2, 5]), rng.random() < 0.5)
             replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=case.host_mirror,
                                 device_kv=case.ref_kv)

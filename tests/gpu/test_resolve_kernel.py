@@ -146,7 +146,8 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
     start = time.time()
     done = failures = requests = 0
     reports: list[str] = []
-    stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0, "residency": 0, "reuse": 0}
+    stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0, "residency": 0, "reuse": 0,
+             "slot_map": 0}
     error = None
     try:
         for c in range(n_cases):
@@ -166,6 +167,7 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
             stats["copiers"] += spec.num_copiers is None or spec.num_copiers > 0
             stats["residency"] += spec.residency
             stats["reuse"] += spec.reuse
+            stats["slot_map"] += spec.slot_map
             if bad:
                 failures += 1
                 if len(reports) < 5:
@@ -247,20 +249,22 @@ def test_resident_precondition_violations_are_counted(built, env):
     assert kw["plan"].counts[:2].tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("residency, reuse", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("residency, reuse, slot_map", [(False, False, False), (True, False, False),
+                                                       (False, True, False), (False, False, True)])
 @pytest.mark.parametrize("num_copiers", [None, 0])
-def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency, reuse):
+def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency, reuse, slot_map):
     """Capture one launch per batch size, replay it with fresh states and varying num_real_reqs
     (back to back, no host sync between replays): every replay must match the oracle. With
     residency, the flags and tables are rewritten in place between replays (as a server flips a
     request to resident without recapturing); with the reuse policy, the history rows and levels
-    too."""
+    too; with the position -> slot map, the map."""
     pool, kernel_buf, ref_buf, ws = env
     rng = random.Random(7 + (num_copiers or 0))
     base = dict(item_bytes=1152, B=4096, top_k=2048, num_reqs=16, num_real=16, max_reqs=20, hit_mode="fixed",
                 hit_rate=0.87, plan=True, counters=True, block_size=960, num_copiers=num_copiers,
                 hot_extra_cols=7, out_extra_rows=1, seq_dtype=torch.int64, rpi_dtype=torch.int32,
-                residency=residency, resident_prob=0.4, rtt_row_pad=5, reuse=reuse, reuse_levels=54)
+                residency=residency, resident_prob=0.4, rtt_row_pad=5, reuse=reuse, reuse_levels=54,
+                slot_map=slot_map)
     first = make_case(CaseSpec(seed=1, **base), pool, kernel_buf, ref_buf, DEVICE)
     static = first.kernel_kwargs()
     kw = dict(static, workspace=ws, block_size=960, num_copiers=num_copiers)
@@ -278,6 +282,7 @@ def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency, reuse
     mutable = ("top_k_positions", "seq_lens", "req_pool_indices", "hot_locs", "host_locs", "out")
     mutable += ("resident", "req_to_token", "logical_to_device") if residency else ()
     mutable += ("slot_history", "reuse_levels") if reuse else ()
+    mutable += ("slot_map",) if slot_map else ()
     for it in range(12):
         n_real = rng.choice([16, 16, 9, 1, 0])
         case = make_case(CaseSpec(seed=100 + it, **dict(base, num_real=n_real)), pool, kernel_buf, ref_buf, DEVICE)
@@ -300,6 +305,8 @@ def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency, reuse
         assert torch.equal(static["lru"], case.ref["lru"]), f"replay {it}: lru"
         if reuse:
             assert torch.equal(static["slot_history"], case.ref["slot_history"]), f"replay {it}: slot_history"
+        if slot_map:
+            assert torch.equal(static["slot_map"], case.ref["slot_map"]), f"replay {it}: slot_map"
         assert torch.equal(static["counters"], case.ref["counters"]), f"replay {it}: counters"
         assert torch.equal(static["plan"].counts, case.ref["plan"].counts), f"replay {it}: plan.counts"
         assert torch.equal(static["plan"].host_rows, case.ref["plan"].host_rows), f"replay {it}: plan.host_rows"
@@ -310,11 +317,14 @@ def test_cuda_graph_capture_and_replay(built, env, num_copiers, residency, reuse
         assert ok, f"replay {it}: workspace state {words}"
 
 
-def test_back_to_back_launches_reset_the_workspace(built, env):
-    """Many copier-mode launches queued without a host sync: each must start from zeroed counters."""
+@pytest.mark.parametrize("slot_map", [False, True])
+def test_back_to_back_launches_reset_the_workspace(built, env, slot_map):
+    """Many copier-mode launches queued without a host sync: each must start from zeroed counters.
+    With the position -> slot map, the later launches find the earlier ones' misses through the
+    map entries those launches wrote."""
     pool, kernel_buf, ref_buf, ws = env
     spec = CaseSpec(item_bytes=656, B=1024, top_k=512, num_reqs=8, num_real=8, max_reqs=8, seed=3,
-                    hit_mode="fixed", hit_rate=0.5, plan=False, counters=True, block_size=256)
+                    hit_mode="fixed", hit_rate=0.5, plan=False, counters=True, block_size=256, slot_map=slot_map)
     case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
     kw = dict(case.kernel_kwargs(), workspace=ws, block_size=256, num_copiers=None)
     rkw = case.ref_kwargs()
