@@ -80,6 +80,8 @@ def test_e2e_config_syntax():
     assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
     assert json.loads(e2e.hisparse_config("ours_reuse", 4096, 8))["replacement"] == "reuse"
     assert "replacement" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
+    assert json.loads(e2e.hisparse_config("ours_map", 4096, 8))["slot_map"] is True
+    assert "slot_map" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
     with pytest.raises(ValueError, match="ours_resident"):
         e2e.parse_config("mine:4096:1", "arrival")
     assert e2e.parse_graph("1") == (True, None) and e2e.parse_graph("0") == (False, None)

@@ -109,10 +109,11 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
-OURS = ("ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse")
+OURS = ("ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse", "ours_map")
 """Our implementations: the plugin, its no-IO oracle, the plugin with residency on, the plugin
 with IndexShare prefetch off (every layer resolves; A/B on IndexShare models), the plugin with
-the reuse-table replacement policy instead of LRU."""
+the reuse-table replacement policy instead of LRU, the plugin planning with the position -> slot
+map."""
 RESIDENCY_WATERMARK = 0.05
 
 
@@ -132,6 +133,8 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
             config["indexshare_prefetch"] = False
         if impl == "ours_reuse":
             config["replacement"] = "reuse"
+        if impl == "ours_map":
+            config["slot_map"] = True
         return json.dumps(config)
     if impl == "upstream":
         return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})

@@ -33,7 +33,7 @@ from decode_log import decode_stats, parse_batches  # noqa: E402
 from sglang_hisparse.testing.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
 from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
 
-IMPLS = ("none", "upstream", "ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse")
+IMPLS = ("none", "upstream", "ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse", "ours_map")
 START_MARGIN_S = 150  # a server start plus one level must fit in what is left of the budget
 
 
@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/testing/models")
     p.add_argument("--points", default="none:realistic,upstream:realistic,ours:realistic,ours_noio:realistic",
-                   help="impl:locality,... (impl: none, upstream, ours, ours_noio, ours_resident, ours_noprefetch, ours_reuse; locality: a preset or a strength)")
+                   help="impl:locality,... (impl: none, upstream, ours, ours_noio, ours_resident, ours_noprefetch, ours_reuse, ours_map; locality: a preset or a strength)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(e2e.KV_DTYPES),
                    help="KV cache dtype of every server; fp8_e4m3 (656-byte rows) runs FlashMLA KV")
     p.add_argument("--spec-steps", type=int, default=0,
