@@ -851,33 +851,71 @@ __device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK, kReuse>& sm,
   }
 }
 
+// The position -> slot map's candidates of the calling thread's first kMapPrefetch selections
+// (j = tid + m * nt): the top-k entries read in place, then their map entries, all loads issued
+// before any is used, while S0's copies fly (so the map's random reads overlap the staging
+// instead of following it). s = -1 for padding, the newest position and invalid positions. Reads only.
+inline constexpr int kMapPrefetch = 4;
+struct MapCandidates {
+  int32_t q[kMapPrefetch];  // the selected position (top-k entry j)
+  int32_t s[kMapPrefetch];  // its map entry, or -1
+};
+
+template <int kTopK>
+__device__ __forceinline__ MapCandidates prefetch_map(
+    const int32_t* topk_row, const PlanThread& t, const PlanRequest& rq, const Positions& pos) {
+  MapCandidates c;
+#pragma unroll
+  for (int m = 0; m < kMapPrefetch; ++m) {
+    const int j = t.tid + m * t.nt;
+    c.q[m] = j < kTopK ? topk_row[j] : -1;
+  }
+#pragma unroll
+  for (int m = 0; m < kMapPrefetch; ++m) {
+    const int32_t q = c.q[m];
+    c.s[m] = (q != pos.newest && pos.is_valid(q)) ? static_cast<int32_t>(rq.map_row[q]) : -1;
+  }
+  return c;
+}
+
 // S1 + S2 with the position -> slot map, in one pass over the selections: selection j's map entry
 // names a candidate slot s, a hit when slot s holds j's position (the staged or global token);
 // s_tok[s] = j and s_sel[j] = s then, as S2 leaves them. Out-of-range or stale entries are misses.
 // A position selected twice (a precondition violation) finds its slot claimed the second time:
 // counted as an error and left a miss, as with S1's hash table. Positions held by two slots (an
 // invalid state; the map's writers never make one) resolve to the slot the map names, where S2
-// would take the larger.
+// would take the larger. `cand`: prefetch_map's candidates of the thread's first selections; the
+// rest (small blocks: more than kMapPrefetch selections per thread) read their entries here.
 template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void find_hits_in_map(
     const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const PlanRequest& rq,
-    const Positions& pos) {
+    const Positions& pos, const MapCandidates& cand) {
   const int32_t* tokens = rq.tok_row;
   if constexpr (kMapStagesTokens<kB, kTopK, kReuse>) tokens = sm.hkeys;
-  for (int j = t.tid; j < kTopK; j += t.nt) {
-    const int32_t q = sm.topk[j];
-    if (q < 0 || q == pos.newest) continue;
-    if (!pos.is_valid(q)) {
-      count_error(p.state);  // precondition: positions < seq_len (and < max_context)
-      continue;
-    }
-    const int s = rq.map_row[q];
-    if (s < 0 || s >= kB || tokens[s] != q) continue;  // not held: a miss
+  auto claim = [&](const int j, const int32_t q, const int s) {
+    if (s < 0 || s >= kB || tokens[s] != q) return;  // not held: a miss
     if (atomicCAS(sm.tok + s, -1, j) == -1) {
       sm.sel[j] = s;
     } else {
       count_error(p.state);  // precondition: selections are distinct
     }
+  };
+  auto invalid = [&](const int32_t q) {  // padding and the newest position are skipped, not errors
+    if (q < 0 || q == pos.newest) return true;
+    if (!pos.is_valid(q)) {
+      count_error(p.state);  // precondition: positions < seq_len (and < max_context)
+      return true;
+    }
+    return false;
+  };
+#pragma unroll
+  for (int m = 0; m < kMapPrefetch; ++m) {
+    const int j = t.tid + m * t.nt;
+    if (j < kTopK && !invalid(cand.q[m])) claim(j, cand.q[m], cand.s[m]);
+  }
+  for (int j = t.tid + kMapPrefetch * t.nt; j < kTopK; j += t.nt) {
+    const int32_t q = sm.topk[j];
+    if (!invalid(q)) claim(j, q, rq.map_row[q]);
   }
 }
 
@@ -1214,14 +1252,16 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
 
   // ---- Long path (L > B). ----
   const PlanRequest rq = long_request(p, i, r, hot_row, out_row);
+  const Positions pos = positions(p, L);
   stage_tables(sm, t, rq);  // S0 (long path): tables, hash table, selection map
+  MapCandidates cand{};
+  if (rq.map_row != nullptr) cand = prefetch_map<kTopK>(topk_row, t, rq, pos);  // CTA-uniform; overlaps S0
   cp_async_wait_all();
   __syncthreads();
   HS_STAMP(2, clock64());
 
-  const Positions pos = positions(p, L);
   if (rq.map_row != nullptr) {  // CTA-uniform
-    find_hits_in_map(p, sm, t, rq, pos);  // S1 + S2
+    find_hits_in_map(p, sm, t, rq, pos, cand);  // S1 + S2
     __syncthreads();
     HS_STAMP(3, clock64());
     HS_STAMP(4, clock64());
