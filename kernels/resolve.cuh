@@ -164,10 +164,10 @@ template <int kB, int kTopK, bool kReuse = false>
 using PlanLayout = PlanLayoutOf<kB, kTopK, kReuse, kPlanSpills<kB, kTopK, kReuse>>;
 
 // Planning with the position -> slot map (ResolveParams::slot_map): S0 stages the slot tokens
-// into the hash table's region (unused without S1's hash table), where S1 validates the map's
-// candidates, and turns s_tok into the selection each slot holds from the start. A planner whose
-// hash region is smaller than B or lies in global memory (spilled) validates against the token
-// row in global memory instead.
+// into the hash table's region (unused without the hash table), where find_hits_in_map checks
+// the map's candidates, and sets s_tok to "no selection" for every slot. A planner whose hash
+// region is smaller than B, or lies in global memory (spilled), checks the candidates against
+// the token row in global memory instead.
 template <int kB, int kTopK, bool kReuse>
 inline constexpr bool kMapStagesTokens =
     !kPlanSpills<kB, kTopK, kReuse> && PlanLayoutOf<kB, kTopK, kReuse, false>::kHash >= kB;
