@@ -486,7 +486,7 @@ def make_case(
         ref["slot_history"] = history_all["ref"][spec.layer]
     map_all: dict[str, torch.Tensor] = {}
     if spec.slot_map:  # drawn last, for the same reason
-        slot_map = _slot_map(gen, tokens, ctx + 3, B)
+        slot_map = random_slot_map(gen, tokens, ctx + 3, B)
         map_all = {"kernel": slot_map.clone(), "ref": slot_map.clone()}
         kernel["slot_map"], ref["slot_map"] = map_all["kernel"], map_all["ref"]
     return Case(
@@ -497,7 +497,7 @@ def make_case(
     )
 
 
-def _slot_map(gen: torch.Generator, tokens: torch.Tensor, cols: int, B: int) -> torch.Tensor:
+def random_slot_map(gen: torch.Generator, tokens: torch.Tensor, cols: int, B: int) -> torch.Tensor:
     """A position -> slot map (int16 [R, cols]) for the slot tables ``tokens`` [R, B]: held
     positions name their slot; the rest is garbage in [-3, B + 3), mostly in-range slots that hold
     other positions (stale entries the kernel must not take for hits)."""
@@ -505,7 +505,7 @@ def _slot_map(gen: torch.Generator, tokens: torch.Tensor, cols: int, B: int) -> 
     dev = tokens.device
     slot_map = torch.randint(-3, B + 3, (R, cols), generator=gen, device=dev).to(torch.int16)
     rows, slots = (tokens >= 0).nonzero(as_tuple=True)
-    slot_map[rows, tokens[rows, slots]] = slots.to(torch.int16)
+    slot_map[rows, tokens[rows, slots].long()] = slots.to(torch.int16)
     return slot_map
 
 

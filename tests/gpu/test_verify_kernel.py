@@ -29,7 +29,9 @@ if not torch.cuda.is_available():
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
-from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions  # noqa: E402
+from sglang_hisparse.resolver.cases import (  # noqa: E402
+    random_history, random_slot_map, verify_rows, verify_slot_positions,
+)
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference  # noqa: E402
 from sglang_hisparse.resolver.verify import resolve_verify  # noqa: E402
 
@@ -58,9 +60,11 @@ def built_spilled() -> None:
                    for n, b in SPILLED_CONFIGS for r in (False, True)])
 
 
-def _case(rng: random.Random, N: int, B: int, policy: str, k: int = K, max_r: int = MAX_R) -> dict:
+def _case(rng: random.Random, N: int, B: int, policy: str, k: int = K, max_r: int = MAX_R,
+          slot_map: bool = False) -> dict:
     """Tables of R request slots (long requests hold B distinct positions below L, some empty), N
-    overlapping rows per request with window positions L .. L + j in row j, -1 padding."""
+    overlapping rows per request with window positions L .. L + j in row j, -1 padding; with
+    ``slot_map``, the tables' position -> slot map (compared after the step like the tables)."""
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     R = rng.randint(1, max_r)
     n = rng.randint(1, R)
@@ -77,6 +81,8 @@ def _case(rng: random.Random, N: int, B: int, policy: str, k: int = K, max_r: in
     )
     if policy == "reuse":
         state["slot_history"] = random_history(g, (R, B))
+    if slot_map:  # the position -> slot map of these tables, garbage elsewhere
+        state["slot_map"] = random_slot_map(g, tokens, ctx, B)
     return dict(R=R, n=n, k=k, state=state, order=order, seq=torch.tensor([lens[r] for r in order.tolist()]),
                 rows=rows,
                 host_kv=torch.randn(R * ctx, ITEM // 2, generator=g).to(torch.bfloat16))
@@ -133,7 +139,7 @@ def _compare(configs: list, k: int, max_r: int, ws, cases: int, min_cases: int, 
             break
         N, B = rng.choice(configs)
         policy = rng.choice(["lru", "reuse"])
-        case = _case(rng, N, B, policy, k=k, max_r=max_r)
+        case = _case(rng, N, B, policy, k=k, max_r=max_r, slot_map=c % 2 == 1)
         poison = rng.randrange(256)
         pinned = case["host_kv"].pin_memory()
         kernel = functools.partial(rcuda.resolve_cuda, workspace=ws, block_size=rng.choice([64, 256, 512, 1024]))
@@ -145,7 +151,8 @@ def _compare(configs: list, k: int, max_r: int, ws, cases: int, min_cases: int, 
         if int(ws.errors.item()) != 0:
             bad.append("workspace errors")
         if bad:
-            failures.append(f"case {c} (N={N}, B={B}, {policy}, {case['n']}/{case['R']} requests): {', '.join(bad)}")
+            failures.append(f"case {c} (N={N}, B={B}, {policy}, map={c % 2 == 1}, {case['n']}/{case['R']} requests): "
+                            f"{', '.join(bad)}")
         done += 1
     print(f"[{label}] {done} cases in {time.time() - start:.1f}s, {len(failures)} failures")
     assert not failures, "\n".join(failures[:10])
