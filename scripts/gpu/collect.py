@@ -60,6 +60,8 @@ FRAGMENTS = [
     # twelfth session: residency (ours_resident); gpu_run53 on half the pool, two demotions mid-decode
     ("gpu_run52/res.json", None),  # its default-capture-sizes row: batches differ, see e2e_gpu.md
     ("gpu_run53/res_pressure.json", None),
+    # thirteenth session: the position -> slot map (ours_map, "slot_map": true)
+    ("gpu_run58/map_exact.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -71,6 +73,8 @@ WORKLOADS = {
     "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
+    "gpu_run58": "bash scripts/gpu/run.sh e2e exactness --configs ours_map:4096:F18:arrival --budget-s 500 "
+                 "--out $OUT/map_exact.json",
     "gpu_run52": "bash scripts/gpu/run.sh e2e exactness --configs ours_resident:4096:1,ours_resident:4096:F18:arrival "
                  "--budget-s 530 --out $OUT/res.json",
     "gpu_run53": "bash scripts/gpu/run.sh e2e exactness --configs ours_resident:4096:F18:arrival --max-total-tokens 262144 "
