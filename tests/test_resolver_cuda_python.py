@@ -342,7 +342,7 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
 
 def _record_skip_io_launches(monkeypatch, policies: Optional[list] = None) -> list:
     """Replace the kernel module by one whose skip-IO entry points record their arguments: each
-    ``launch_skip_io`` call is recorded as one tuple in the kernel's parameter order (27 entries:
+    ``launch_skip_io`` call is recorded as one tuple in the kernel's parameter order (28 entries:
     the batch's top-k, seq_lens and request indices, the six tables, out, then what ``bind_skip_io``
     received after the tables for the same parameter tensor). The module has no copying entry
     points, so a call that picks one fails. ``policies`` (when given) receives the ``reuse`` flag
@@ -429,13 +429,31 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
-    assert len(args) == 27  # the C++ entry point's parameters
+    assert len(args) == 28  # the C++ entry point's parameters
     assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
     assert args[-4] is kw["workspace"].planner_spill and args[-4].numel() == 0  # B=32, top_k=16 does not spill
     assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
     assert [a.numel() for a in args[15:18]] == [0, 0, 0]  # no residency
     assert [a.dtype for a in args[15:18]] == [torch.uint8, torch.int32, torch.int64]
     assert [(a.numel(), a.dtype) for a in args[18:20]] == [(0, torch.int16), (0, torch.uint8)]  # LRU
+    assert (args[20].numel(), args[20].dtype) == (0, torch.int16)  # no position -> slot map
+
+
+def test_the_slot_map_reaches_the_kernel_in_place_and_bad_maps_are_refused(monkeypatch):
+    """``slot_map`` (int16 [>= table rows, >= host_locs' columns]) is passed to the kernel's bind
+    as given (a wider, strided view too); a wrong dtype, too few rows or columns, or another
+    device is refused before anything is built, naming the tensor."""
+    calls = _record_skip_io_launches(monkeypatch)
+    kw = _valid_kwargs()
+    wide = torch.zeros(4, 210, dtype=torch.int16)
+    cuda.resolve_cuda(skip_io=True, slot_map=wide[:, :205], **kw)
+    (args,) = calls
+    assert args[20].data_ptr() == wide.data_ptr() and args[20].stride() == (210, 1)
+    monkeypatch.setattr(cuda, "_static_checked", {})
+    for bad, message in ((wide.int(), "slot_map"), (wide[:3], "slot_map needs >= 4 rows"),
+                         (wide[:, :199], "max_context = 200"), (wide.t(), "slot_map")):
+        with pytest.raises(ValueError, match=message):
+            cuda.resolve_cuda(skip_io=True, slot_map=bad, **_valid_kwargs())
 
 
 def _residency_kwargs(R: int = 4, context: int = 200, flag_dtype: torch.dtype = torch.uint8):
@@ -675,7 +693,7 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     assert not hasattr(module, "resolve") and not hasattr(module, "resolve_skip_io")
     params = torch.zeros(cuda.BOUND_BYTES, dtype=torch.uint8)
     with pytest.raises(Exception, match="block size"):
-        module.bind_skip_io(params, *([torch.zeros(1)] * 20), 48, -1, 0)
+        module.bind_skip_io(params, *([torch.zeros(1)] * 21), 48, -1, 0)
     tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
               torch.zeros(4, 128, dtype=torch.int16), torch.zeros(4, 300, dtype=torch.int64)]
     rest = [torch.zeros(1)] * 7  # host_kv .. counters: checked after the residency tables
@@ -683,7 +701,8 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     with pytest.raises(Exception, match="resident"):
         module.bind(params, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
                     torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
-                    torch.zeros(0, dtype=torch.uint8), *([torch.zeros(1)] * 4), 64, -1, 0)
+                    torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int16), *([torch.zeros(1)] * 4),
+                    64, -1, 0)
     assert not params.any(), "a refused bind wrote its parameters"
 
 
