@@ -1,15 +1,18 @@
-"""Seam: a decode step needs logical ids and host rows, not device rows.
+"""Seam: a decode step needs logical ids and host rows, and device rows only for new pages.
 
 Upstream target: ``sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem`` (AROUND).
 Checked against: SGLang 0.5.17, where it compares ``allocator.available_size()`` with the tokens
-the next decode step needs, and retracts requests when it is short.
+the next decode step needs, and retracts requests (``retract_decode``, which calls it again after
+each retraction) when it is short.
 
-With our allocator, ``available_size()`` is the admission number: it also keeps device rows for
-a new request's prefill and hot buffer, which are fully used in the steady state of a busy
-server. Decode steps take no device rows (hot buffers are already held, growth is reserved), so
-checking them against that number would retract requests for no reason. For batches on our
-allocator this hook compares with ``decode_available_size()`` (logical space and host rows);
-any other batch runs SGLang's original check unchanged.
+With our allocator a decode step takes one logical id (and host row) per request, and free device
+rows only where a short hot buffer or a resident request starts a new page; a long hot buffer
+reuses its newest slot. For batches on our allocator this hook checks both: the logical space and
+host rows (``decode_available_size()``) against SGLang's count of the step's new tokens, and the
+device rows against what the coordinator says the step lacks after demoting resident requests
+(``HiSparseCoordinator.device_rows_short``). So SGLang retracts exactly when the device rows the
+step needs cannot be found, as it does without HiSparse when its pool is full. Any other batch
+runs SGLang's original check unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from sglang_hisparse.allocator import HiSparseAllocator
+from sglang_hisparse.errors import HiSparsePluginError
 
 TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"
 CHECKED_AGAINST = "0.5.17"
@@ -27,7 +31,14 @@ def check_decode_mem(original: Callable[..., bool], batch: Any, selected_indices
     if not isinstance(allocator, HiSparseAllocator):
         return original(batch, selected_indices)
     needed = batch.new_tokens_required_next_decode(selected_indices)
-    return allocator.decode_available_size() >= needed
+    if allocator.decode_available_size() < needed:
+        return False
+    coordinator = getattr(batch, "hisparse_coordinator", None)
+    if coordinator is None:
+        raise HiSparsePluginError("sglang-hisparse: a decode batch on the HiSparse allocator has no coordinator; "
+                                  "its device rows cannot be checked")
+    reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
+    return coordinator.device_rows_short([r.req_pool_idx for r in reqs], [r.kv_committed_len for r in reqs]) == 0
 
 
 def register(registry: Any) -> None:

@@ -3,7 +3,7 @@
 Upstream target: ``sglang.srt.managers.scheduler.Scheduler.on_idle`` (AFTER). Checked against:
 SGLang 0.5.17, where ``on_idle`` runs on every idle loop iteration and skips SGLang's own leak
 check when HiSparse is enabled. Once per busy -> idle transition, the coordinator logs
-``sglang-hisparse idle: logical_free=a/A device_free=b/B device_reserved=0/0 host_free=c/C
+``sglang-hisparse idle: logical_free=a/A device_free=b/B host_free=c/C
 leak=no ...`` (an ERROR line with ``leak=yes`` if any count differs from its initial value).
 """
 

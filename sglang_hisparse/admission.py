@@ -3,10 +3,10 @@
 Pure policy on plain numbers (the allocator and the coordinator supply them; the seams in
 ``patches/`` apply the answers). SGLang admits a request when its token budget fits what the
 allocator's ``available_size()`` reports; with HiSparse that number is bounded, even on an idle
-server, by the device pool minus one hot buffer (a prefill's rows stay on device until staging
-completes and a hot buffer must remain free), by the logical ids and by the host rows. A request
-whose budget exceeds that bound would wait in SGLang's queue forever and block every request
-behind it; :func:`refusal` names such a request so it can be refused at once.
+server, by the device pool (a prefill's rows stay on device until staging completes), by the
+logical ids and by the host rows. A request whose budget exceeds that bound would wait in SGLang's
+queue forever and block every request behind it; :func:`refusal` names such a request so it can
+be refused at once.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Capacity:
     @property
     def idle_room(self) -> int:
         """What ``available_size()`` reports when no request is live."""
-        return max(0, min(self.logical_ids, self.host_rows, self.device_rows - self.hot_buffer_rows))
+        return max(0, min(self.logical_ids, self.host_rows, self.device_rows))
 
     def largest_buffer_size(self) -> int:
         """The largest B whose hot buffer leaves one page of the device pool for a prefill."""
@@ -42,11 +42,7 @@ class Capacity:
         return pages_for_buffer * self.page_size - 1
 
     def describe(self) -> str:
-        return (
-            f"device pool {self.device_rows} rows - one hot buffer {self.hot_buffer_rows} rows "
-            f"(device_buffer_size={self.device_buffer_size} + newest page), logical ids {self.logical_ids}, "
-            f"host rows {self.host_rows}"
-        )
+        return f"device pool {self.device_rows} rows, logical ids {self.logical_ids}, host rows {self.host_rows}"
 
 
 def capacity_of(allocator, hot, host_pool) -> Capacity:
@@ -69,9 +65,10 @@ def capacity_line(capacity: Capacity) -> str:
 
 
 def check_startup(capacity: Capacity) -> None:
-    """Raise HiSparsePluginError (one line, with the numbers) when no prefill can ever be admitted
-    next to a free hot buffer, i.e. the server would accept requests and never serve one."""
-    if capacity.idle_room >= capacity.page_size:
+    """Raise HiSparsePluginError (one line, with the numbers) when the device pool cannot hold one
+    full hot buffer next to a page for a prefill: a request longer than B could then never decode
+    beside anything, and the server would accept requests it never serves."""
+    if capacity.device_rows - capacity.hot_buffer_rows >= capacity.page_size and capacity.idle_room >= capacity.page_size:
         return
     limit = capacity.largest_buffer_size()
     fix = (

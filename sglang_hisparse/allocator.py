@@ -11,15 +11,19 @@
   last_loc of -1 gives -1.
 
 Ownership: this allocator owns the logical free list and the mapping; the device rows (their
-free list, the growth reservation and the ``hot_owned`` mask: ``free`` never releases a row a hot
-buffer owns) belong to its :class:`~sglang_hisparse.device_rows.DeviceRows`. Hot-buffer tables
-belong to the coordinator's hot buffers, host slots to the host pool.
+free list and the ``hot_owned`` mask: ``free`` never releases a row a hot buffer owns) belong to
+its :class:`~sglang_hisparse.device_rows.DeviceRows`. Hot-buffer tables belong to the
+coordinator's hot buffers, host slots to the host pool.
 
 Admission (``available_size``) counts the logical space, the host pool (every logical id will
-need a host slot) and the device space (rows for the prefill and, per request, a full hot buffer
-of ``hot_buffer_slots``; rows promised to short requests' growth are not available). A request
-that does not fit waits in SGLang's queue; it never fails at runtime. A decode step needs no
-device rows, so ``decode_available_size`` omits the device term.
+need a host slot) and the free device rows (with residency, plus the rows demoting resident
+requests would free). A request is charged the rows it holds: its prefill's rows, then its own
+rows while resident or at most one hot buffer (``min(round_up(context), padded)``), never a
+buffer it does not use; SGLang's admission adds its own estimate of every request's growth, as
+without HiSparse, so this server admits at least what the same pool admits without HiSparse. A
+request that does not fit waits in SGLang's queue. Growth takes free rows page by page; whether
+the next decode step's pages are free is checked before the step (``decode_memory_check`` seam),
+and SGLang retracts requests when they are not, as it does without HiSparse.
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self.rows = DeviceRows(size, page_size, device, debug)
         self.logical_to_device = torch.zeros(self.logical_size + page_size + 1, dtype=torch.int64, device=device)
         self.logical_to_device[-1] = -1
-        self.hot_buffer_slots = 0
+        self.hot_buffer_rows = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
         self._reclaim: Callable[[int], None] = lambda rows: None
@@ -80,9 +84,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         kvcache.attach_mapping(self.logical_to_device)
 
     # --- configuration by the coordinator ----------------------------------------------------
-    def configure(self, hot_buffer_slots: int, host_capacity_tokens: int) -> None:
-        """Set the hot-buffer size every decoding request holds and the host pool's capacity."""
-        self.hot_buffer_slots = hot_buffer_slots
+    def configure(self, hot_buffer_rows: int, host_capacity_tokens: int) -> None:
+        """Set the most rows a hot buffer holds (``padded``) and the host pool's capacity."""
+        self.hot_buffer_rows = hot_buffer_rows
         self.host_capacity = host_capacity_tokens
 
     def set_reclaimer(self, reclaim: Callable[[int], None], reclaimable: Callable[[], int]) -> None:
@@ -120,15 +124,16 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     @property
     def hisparse_attn_allocator(self) -> Budget:
-        """PD decode admission (hot buffers): device rows net of the growth reservations; SGLang
-        divides it by ``padded_buffer_size``, one full hot buffer per request it admits."""
+        """PD decode admission (hot buffers): free device rows (and what demoting resident
+        requests frees); SGLang divides it by ``padded_buffer_size``, one full hot buffer per
+        request it admits."""
         return Budget(lambda: self.rows.room() + self._reclaimable())
 
     def debug_print(self) -> str:
         return (
             f"#logical free: {self.logical.available_tokens()}/{self.logical_size}, "
-            f"#device free: {self.rows.pages.available_tokens()}/{self.device_size} "
-            f"(reserved for growth {self.rows.reserved}), host capacity {self.host_capacity}"
+            f"#device free: {self.rows.pages.available_tokens()}/{self.device_size}, "
+            f"host capacity {self.host_capacity}"
         )
 
     def logical_used(self) -> int:
@@ -141,9 +146,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         return max(0, min(logical_free, host_room))
 
     def device_admission_room(self) -> int:
-        """Device rows a new request may take for its prefill, keeping a full hot buffer free
-        (rows that demoting resident requests would free count as room)."""
-        return self.rows.room() + self._reclaimable() - self.hot_buffer_slots
+        """Device rows a new request may take for its prefill: the free rows and those that
+        demoting resident requests would free (a prefill reclaims them, ``alloc_extend``)."""
+        return self.rows.room() + self._reclaimable()
 
     def available_size(self) -> int:
         logical_free = self.logical.available_tokens()
@@ -248,22 +253,23 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         clear the mapping of its ``logical_ids`` (positions ``0..n-1``, page aligned from 0).
         Returns the kept rows (int64 [keep_tokens]) or None, changing nothing."""
         p = self.page_size
-        assert keep_tokens % p == 0 and 0 < keep_tokens <= self.hot_buffer_slots
+        assert keep_tokens % p == 0 and 0 < keep_tokens <= self.hot_buffer_rows
         page_starts = self.logical_to_device[logical_ids][::p]
         assert page_starts.numel() * p >= keep_tokens, "fewer positions than the kept rows"
-        rows = self.rows.take_hot_buffer(page_starts, keep_tokens, self.hot_buffer_slots)
+        rows = self.rows.take_hot_buffer(page_starts, keep_tokens)
         if rows is not None:
             self.logical_to_device[logical_ids] = 0
         return rows
 
-    def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
+    def grow_hot_buffer(self, n_tokens: int) -> Optional[torch.Tensor]:
+        """Free rows for a short hot buffer's next page(s), or None when they are not free."""
         return self.rows.grow_hot_buffer(n_tokens)
 
-    def release_hot_buffer(self, rows: torch.Tensor, unused_reservation: int) -> None:
-        """Free a hot buffer's rows and its unused reservation. The caller first unmaps (or frees)
-        the request's logical ids: a mapping left pointing at a released row would let a later
-        ``free`` release it a second time."""
-        self.rows.release_hot_buffer(rows, unused_reservation)
+    def release_hot_buffer(self, rows: torch.Tensor) -> None:
+        """Free a hot buffer's rows. The caller first unmaps (or frees) the request's logical
+        ids: a mapping left pointing at a released row would let a later ``free`` release it a
+        second time."""
+        self.rows.release_hot_buffer(rows)
 
     def map_logical(self, logical_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Point logical ids at device rows (the token being decoded -> its hot-buffer row)."""

@@ -73,10 +73,11 @@ class HiSparseConfig:
     and copy its misses into the following layers on a side stream, overlapped with the source
     layer's attention and MLP (docs/design.md, "IndexShare prefetch"). No effect on other models;
     false resolves every layer on its own (for A/B)."""
-    residency: bool = False
+    residency: bool = True
     """Pressure-driven residency (docs/design.md, "Residency"): a request entering decode keeps
     its whole KV on the device while the pool has room, and is demoted to a hot buffer only
-    when rows run short. Off by default until measured on the GPU (docs/performance.md)."""
+    when rows run short. On by default, except with speculative decoding (resident requests
+    have no verify window; an explicit ``true`` is refused there)."""
     residency_watermark: float = 0.05
     """Fraction of the device pool's rows that residency keeps free: a request stays resident
     at admission only if that many rows remain, and decode steps demote resident requests when
@@ -240,7 +241,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], quer
         stats_log_interval=_stats_interval(raw),
         wait_for_staging=_require_bool(raw, "wait_for_staging", False),
         indexshare_prefetch=_require_bool(raw, "indexshare_prefetch", True),
-        residency=_require_bool(raw, "residency", False),
+        residency=_require_bool(raw, "residency", query_rows == 1),
         residency_watermark=_watermark(raw),
         replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
         slot_map=_require_bool(raw, "slot_map", False),

@@ -121,8 +121,9 @@ class HiSparseCoordinator:
             reuse_levels=reuse_levels_for(device) if reuse else None, query_rows=self.config.query_rows)
         self._waiting_since: Optional[str] = None
         self._draft_state: dict[int, Any] = {}
-        logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s; %s", device_buffer_size,
-                    top_k, self.device_pool.layer_num, resolver.name, capacity_line(self.capacity))
+        logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s, residency=%s; %s",
+                    device_buffer_size, top_k, self.device_pool.layer_num, resolver.name, residency_label(self.config),
+                    capacity_line(self.capacity))
 
     def _enable_residency(self, max_reqs: int, device: torch.device, selections: torch.Tensor) -> None:
         self._resident_decode = ResidentDecode.build(
@@ -193,8 +194,8 @@ class HiSparseCoordinator:
 
     def _enter_decode(self, req) -> bool:
         """A staged request whose host copy is done keeps its prefill rows resident (residency on
-        and room above the watermark) or moves into a hot buffer (demoting resident requests if
-        that is what it takes). False, nothing changed, when neither fits yet."""
+        and room above the watermark) or moves into a hot buffer made of its first prefill pages
+        (needs no free rows). False, nothing changed, when neither fits."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self._logical_ids(req, n)
 
@@ -235,6 +236,21 @@ class HiSparseCoordinator:
         self.mirror.write_through(idxs, lens, self.device_rows_now)
         newest = self.hot if self._resident_decode is None else self._resident_decode
         self.allocator.map_logical(out_cache_loc, newest.newest_rows(idxs, lens, req_pool_indices, seq_lens))
+
+    def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
+        """Device rows the next decode step of these requests lacks (0: it fits), after every
+        demotion of a resident request that could help. ``committed_lens``: positions with KV
+        (SGLang's ``kv_committed_len``); the step writes position ``committed`` (one-token
+        steps) or ``committed .. committed + N - 1`` (verify steps). Read by the decode memory
+        check before each step (``patches/decode_memory_check.py``): SGLang retracts requests
+        until this is 0, as it does when its own pool is short. No side effects."""
+        if self.config.query_rows > 1:
+            short = self.hot.window_growth(req_pool_indices, committed_lens) - self.allocator.rows.room()
+            return max(0, short)
+        lens = [n + 1 for n in committed_lens]
+        if self._resident_decode is not None:
+            return self._resident_decode.rows_short(req_pool_indices, lens)
+        return max(0, self.hot.step_growth(req_pool_indices, lens) - self.allocator.rows.room())
 
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last write-through (it overwrites the newest slot)."""
@@ -317,6 +333,15 @@ class HiSparseCoordinator:
             logger.info("sglang-hisparse: request %s waits in staging for device rows (%s)",
                         req.rid, self.allocator.debug_print())
             self._waiting_since = req.rid
+
+
+def residency_label(config: HiSparseConfig) -> str:
+    """How residency is set, for the start-up line: on (with its watermark) or off, and why."""
+    if config.residency:
+        return f"on (watermark {config.residency_watermark:g} of the device pool)"
+    if config.query_rows > 1:
+        return "off (speculative decoding)"
+    return "off"
 
 
 def agreed_count(count: int, group) -> int:

@@ -4,11 +4,12 @@ Owned state (one owner, used only through :class:`HiSparseAllocator`):
 
 * ``pages``: the free list of device rows (page granular);
 * ``hot_owned``: rows that belong to some request's hot buffer. Nothing but
-  :meth:`release_hot_buffer` frees such a row, so a logical free cannot free a hot-buffer row;
-* ``reserved``: rows promised to short requests' hot-buffer growth. They are free in ``pages``
-  but no longer available to anyone else (``room``).
+  :meth:`release_hot_buffer` frees such a row, so a logical free cannot free a hot-buffer row.
 
-Invariant: ``0 <= reserved <= pages.available_tokens()``.
+Nothing is promised ahead: a request holds the rows it uses, and a short hot buffer or a resident
+request takes its next page from the free rows when it reaches it (as SGLang's own paged pool
+does). Whether the next decode step's pages are free is checked before the step, with SGLang's
+decode memory check (``patches/decode_memory_check.py``), which retracts requests when they are not.
 """
 
 from __future__ import annotations
@@ -25,37 +26,34 @@ class DeviceRows:
         self.page_size = page_size
         self.pages = PageAllocator(size // page_size, page_size, device, debug)
         self.hot_owned = torch.zeros(size + page_size, dtype=torch.bool, device=device)
-        self.reserved = 0
 
     def room(self) -> int:
-        """Free rows not promised to growth."""
-        return self.pages.available_tokens() - self.reserved
+        """Free rows."""
+        return self.pages.available_tokens()
 
     def clear(self) -> None:
         self.pages.clear()
         self.hot_owned.zero_()
-        self.reserved = 0
 
     def free_unowned(self, rows: torch.Tensor) -> None:
         """Free the rows among ``rows`` (0 = none) that no hot buffer owns."""
         rows = rows[rows > 0]
         self.pages.free_tokens(rows[~self.hot_owned[rows]])
 
-    def take_hot_buffer(self, page_starts: torch.Tensor, keep_tokens: int, slots: int) -> Optional[torch.Tensor]:
-        """A request's device pages become its hot buffer of ``slots`` rows.
+    def take_hot_buffer(self, page_starts: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
+        """A request's device pages become the first ``keep_tokens`` rows of its hot buffer.
 
         ``page_starts``: the first device row of each of the request's pages, in position order
         (0 where a page is not on device). The pages of its first ``keep_tokens`` positions
         become rows ``0..keep_tokens-1`` (pages not on device are allocated); its later pages
-        are freed; ``slots - keep_tokens`` rows are reserved for growth. Returns the kept rows,
-        or None, changing nothing, when the fresh pages plus the reservation do not fit.
+        are freed. Returns the kept rows, or None, changing nothing, when the pages to allocate
+        are not free.
         """
         p = self.page_size
         kept = page_starts[: keep_tokens // p]
         unmapped = kept <= 0
-        missing = int(unmapped.sum())
-        growth = slots - keep_tokens
-        if missing * p + growth > self.room():
+        missing = int(unmapped.sum()) if kept.numel() else 0
+        if missing * p > self.room():
             return None
         kept_pages = kept // p
         if missing:
@@ -64,18 +62,7 @@ class DeviceRows:
         self.pages.free_pages_(dropped[dropped > 0] // p)
         rows = self.pages.page_rows(kept_pages)
         self.hot_owned[rows] = True
-        self.reserved += growth
         return rows
-
-    def reserve(self, n_tokens: int) -> None:
-        """Promise ``n_tokens`` free rows to a request (a resident request's guarantee)."""
-        assert 0 <= n_tokens <= self.room(), "reservation beyond the free rows"
-        self.reserved += n_tokens
-
-    def release_reservation(self, n_tokens: int) -> None:
-        """Give back ``n_tokens`` of a promise (used, or no longer needed)."""
-        assert 0 <= n_tokens <= self.reserved, "released more than was reserved"
-        self.reserved -= n_tokens
 
     def keep_pages(self, page_starts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """A request's pages ``page_starts[keep]`` (its first device row per page, all on device)
@@ -89,18 +76,15 @@ class DeviceRows:
         self.hot_owned[rows] = True
         return rows
 
-    def grow_hot_buffer(self, n_tokens: int) -> torch.Tensor:
-        """Rows for a short request's growth, from the reservation (never fails)."""
-        assert n_tokens <= self.reserved, "growth beyond the reservation"
+    def grow_hot_buffer(self, n_tokens: int) -> Optional[torch.Tensor]:
+        """Free rows for a short hot buffer's next page(s), now hot-owned; None (nothing taken)
+        when fewer are free."""
         rows = self.pages.alloc_tokens(n_tokens)
-        assert rows is not None, "reserved device rows were not free"
-        self.reserved -= n_tokens
-        self.hot_owned[rows] = True
+        if rows is not None:
+            self.hot_owned[rows] = True
         return rows
 
-    def release_hot_buffer(self, rows: torch.Tensor, unused_reservation: int) -> None:
-        """Free a hot buffer's rows and the part of its reservation it never used."""
+    def release_hot_buffer(self, rows: torch.Tensor) -> None:
+        """Free a hot buffer's rows."""
         self.hot_owned[rows] = False
         self.pages.free_tokens(rows)
-        self.reserved -= unused_reservation
-        assert self.reserved >= 0

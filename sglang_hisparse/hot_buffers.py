@@ -8,8 +8,8 @@ request fills its buffer in position order) and in window slot ``B + p - start``
 request slot this table owns (preallocated, fixed addresses for CUDA graphs):
 
 * ``slot_rows`` (int32 [max_reqs, padded]): the device row of each slot;
-* ``capacity`` / ``reserve`` (host ints): slots with a row so far, rows promised for growth
-  (``capacity + reserve == padded`` while the request holds a buffer);
+* ``capacity`` (host ints): slots with a row so far (``capacity <= padded``; a buffer takes its
+  next page from the free rows when its newest slot reaches it);
 * ``slot_positions`` (int32 [layers, max_reqs, B]): the position each slot holds in each layer,
   -1 for none (written by the resolver, reset here);
 * ``recency`` (int16 [layers, max_reqs, B]): each layer's slots, least recently used first
@@ -34,8 +34,9 @@ or after the next window's start (which is the committed length), so that window
 
 A buffer starts either as the request's own first positions (slot ``p`` holds position ``p``:
 the staging path keeps the prefill's first pages) or empty (PD: a long request's first
-selections all miss). A short request (``seq_len <= B``) grows page by page from its reserve;
-rows come from and go back to the allocator, which owns every free list.
+selections all miss). A short request (``seq_len <= B``) grows page by page from the free rows
+(whether they are free is checked before each decode step: :meth:`HotBuffers.step_growth`); rows
+come from and go back to the allocator, which owns every free list.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from sglang_hisparse.errors import HiSparsePluginError
 
 
 class HotBuffers:
@@ -58,7 +61,6 @@ class HotBuffers:
         self.padded = -(-(B + window) // page) * page
         self.slot_rows = torch.zeros((max_reqs, self.padded), dtype=torch.int32, device=device)
         self.capacity = [0] * max_reqs
-        self.reserve = [0] * max_reqs
         self.slot_positions = torch.full((layers, max_reqs, B), -1, dtype=torch.int32, device=device)
         self.recency = torch.empty((layers, max_reqs, B), dtype=torch.int16, device=device)
         self._slot_numbers = torch.arange(B, dtype=torch.int32, device=device)
@@ -81,8 +83,8 @@ class HotBuffers:
         """Give request slot ``idx`` a hot buffer for its ``n = len(logical_ids)`` positions.
 
         Keeps ``min(round_up(n, page), padded)`` rows: the device pages of its first positions
-        (pages not on device are allocated; the allocator frees the rest and clears the mapping)
-        and reserves the remainder of ``padded`` for growth. ``filled``: slot ``p`` holds
+        (pages not on device are allocated; the allocator frees the rest and clears the mapping).
+        Later slots get rows as the request grows (:meth:`grow`). ``filled``: slot ``p`` holds
         position ``p`` in every layer (its KV is in the kept rows, or will be loaded there by the
         caller); otherwise every slot is empty. Returns the kept rows (int64), or None with
         nothing changed when the device rows are not free.
@@ -93,7 +95,6 @@ class HotBuffers:
             return None
         self.slot_rows[idx, :keep] = rows.to(torch.int32)
         self.capacity[idx] = keep
-        self.reserve[idx] = self.padded - keep
         self.slot_positions[:, idx] = self._slot_numbers if filled else -1
         if filled and self.slot_map is not None:
             self.slot_map[:, idx, : self._map_prefix] = self._slot_numbers[: self._map_prefix].to(torch.int16)
@@ -110,7 +111,6 @@ class HotBuffers:
         assert rows.numel() == self.padded == positions.numel()
         self.slot_rows[idx] = rows.to(torch.int32)
         self.capacity[idx] = self.padded
-        self.reserve[idx] = 0
         held = positions[: self.buffer_size].to(torch.int32)
         self.slot_positions[:, idx] = held
         if self.slot_map is not None:
@@ -118,22 +118,54 @@ class HotBuffers:
             self.slot_map[:, idx, held[slots].long()] = slots.to(torch.int16)
         self._reset_order(idx)
 
+    # --- growth ------------------------------------------------------------------------------
+    def _slots_for_step(self, seq_len: int) -> int:
+        """Slots a one-token step at ``seq_len`` uses: its newest position's slot ``min(seq_len - 1, B)`` and all below."""
+        return min(seq_len, self.buffer_size + 1)
+
+    def _slots_for_window(self, start: int) -> int:
+        """Slots a verify step writing ``start .. start + N - 1`` uses (the window rule above)."""
+        N = self.window
+        return start + N if start + N <= self.buffer_size else self.buffer_size + N
+
+    def _rows_to_add(self, have: int, slots: int) -> int:
+        return max(0, -(-slots // self.page_size) * self.page_size - have)
+
+    def step_growth(self, idxs: list[int], seq_lens: list[int]) -> int:
+        """Free rows a one-token step at ``seq_lens`` takes for these request slots' buffers (whole pages)."""
+        return sum(self._rows_to_add(self.capacity[idx], self._slots_for_step(n)) for idx, n in zip(idxs, seq_lens))
+
+    def window_growth(self, idxs: list[int], starts: list[int]) -> int:
+        """Free rows a verify step writing from ``starts`` takes for these request slots' buffers."""
+        return sum(self._rows_to_add(self.capacity[idx], self._slots_for_window(s)) for idx, s in zip(idxs, starts))
+
+    def growth_after_opening(self, n: int, seq_len: int) -> int:
+        """Free rows the one-token step at ``seq_len`` would take for a buffer opened filled now
+        with ``n`` positions (what a demoted resident request needs instead of its next page)."""
+        keep = min(-(-n // self.page_size) * self.page_size, self.padded)
+        return self._rows_to_add(keep, self._slots_for_step(seq_len))
+
     def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
         """Before a one-token step: a request whose newest position ``seq_len - 1 <= B`` has no
-        row yet gets the next page(s) from its reserve (never fails: the allocator set the rows
-        aside)."""
+        row yet gets the next page(s) from the free rows."""
         for idx, seq_len in zip(idxs, seq_lens):
-            self._grow_to(idx, min(seq_len, self.buffer_size + 1))
+            self._grow_to(idx, self._slots_for_step(seq_len))
 
     def _grow_to(self, idx: int, needed: int) -> None:
-        """Rows for slots ``0 .. needed - 1`` of request slot ``idx``, whole pages from its reserve."""
+        """Rows for slots ``0 .. needed - 1`` of request slot ``idx``, whole pages of free rows.
+        Raises HiSparsePluginError when they are not free: the decode memory check before the
+        step (``patches/decode_memory_check.py``) must have retracted requests instead."""
         have = self.capacity[idx]
-        if needed <= have:
+        add = self._rows_to_add(have, needed)
+        if not add:
             return
-        add = -(-needed // self.page_size) * self.page_size - have
-        self.slot_rows[idx, have : have + add] = self.allocator.grow_hot_buffer(add).to(torch.int32)
+        rows = self.allocator.grow_hot_buffer(add)
+        if rows is None:
+            raise HiSparsePluginError(
+                f"sglang-hisparse: no free device rows for the next page of request slot {idx}'s hot buffer "
+                f"({add} rows; {self.allocator.debug_print()}); the decode memory check should have retracted a request")
+        self.slot_rows[idx, have : have + add] = rows.to(torch.int32)
         self.capacity[idx] = have + add
-        self.reserve[idx] -= add
 
     def newest_rows(self, idxs: list[int], seq_lens: list[int], req_pool_indices: torch.Tensor,
                     seq_lens_t: torch.Tensor) -> torch.Tensor:
@@ -147,10 +179,9 @@ class HotBuffers:
         """Before a step writing positions ``start .. start + N - 1`` of each request: grow short
         buffers to cover the window's slots, record the window starts, and return the window's
         positions and the rows they go to (both int64 [len(idxs), N], module docstring). Needs N > 1."""
-        B, N = self.buffer_size, self.window
         assert self.window_start is not None, "window_rows is the N > 1 form of newest_rows"
         for idx, start in zip(idxs, starts):
-            self._grow_to(idx, start + N if start + N <= B else B + N)
+            self._grow_to(idx, self._slots_for_window(start))
         starts_t = torch.tensor(starts, dtype=torch.int64).to(self.window_start.device, non_blocking=True)
         self.window_start[req_pool_indices] = starts_t
         positions = starts_t[:, None] + self._window_offsets
@@ -176,14 +207,13 @@ class HotBuffers:
 
     # --- closing -----------------------------------------------------------------------------
     def close(self, idx: int) -> None:
-        """Give request slot ``idx``'s rows and unused reserve back and reset its tables
-        (idempotent; the slot map keeps its entries: with every slot empty none is confirmed).
-        The caller unmaps the request's logical ids first."""
+        """Give request slot ``idx``'s rows back and reset its tables (idempotent; the slot map
+        keeps its entries: with every slot empty none is confirmed). The caller unmaps the
+        request's logical ids first."""
         if self.capacity[idx]:
             rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
-            self.allocator.release_hot_buffer(rows, self.reserve[idx])
+            self.allocator.release_hot_buffer(rows)
         self.slot_rows[idx].zero_()
         self.capacity[idx] = 0
-        self.reserve[idx] = 0
         self.slot_positions[:, idx] = -1
         self._reset_order(idx)

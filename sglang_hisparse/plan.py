@@ -125,6 +125,7 @@ def make_plan(dims: ModelDims, *, tp: int, dp: int, dp_attention: bool, gpu_mem_
     without = pages(budget / (dims.layers * (kv_row + index_row)))
     device_rows = pages(budget / (dims.layers * (kv_row + ratio * index_row)))
     padded = -(-(device_buffer_size + 1) // PAGE_SIZE) * PAGE_SIZE
+    held_rows = min(padded, pages(context + PAGE_SIZE - 1))  # a request shorter than a hot buffer holds its own rows
     capacity = Capacity(device_rows=device_rows, hot_buffer_rows=padded, page_size=PAGE_SIZE,
                         logical_ids=ratio * device_rows, host_rows=ratio * device_rows,
                         device_buffer_size=device_buffer_size, host_row_bytes=dims.layers * kv_row)
@@ -132,7 +133,7 @@ def make_plan(dims: ModelDims, *, tp: int, dp: int, dp_attention: bool, gpu_mem_
     groups = dp if dp_attention else 1
     plan = Plan(ranks_per_host=tp, request_groups=groups, capacity=capacity, tokens_without_hisparse=without,
                 pinned_host_bytes_per_rank=pinned,
-                decoding_with=groups * min(device_rows // padded, capacity.host_rows // context),
+                decoding_with=groups * min(device_rows // held_rows, capacity.host_rows // context),
                 decoding_without=groups * (without // context))
     if pinned * tp > host_mem_gib * GIB:
         raise PlanError(

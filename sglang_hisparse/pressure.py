@@ -68,16 +68,29 @@ class ResidentDecode:
         own = self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
         return torch.where(self.residency.flags[req_pool_idx].bool(), own, rows)
 
+    def _hot_growth(self, idxs: list[int], lens: list[int]) -> int:
+        """Free rows the hot buffers among ``idxs`` take in the step at ``lens``."""
+        lengths = self.residency.lengths
+        return self.hot.step_growth(*_unzip([(i, n) for i, n in zip(idxs, lens) if i not in lengths]))
+
+    def rows_short(self, idxs: list[int], lens: list[int]) -> int:
+        """Device rows the one-token step at ``lens`` lacks after every demotion that could help
+        (0: it fits). What :meth:`newest_rows` reaches by demoting when it must."""
+        rows, relief = self.residency.step_need(idxs, lens)
+        return max(0, rows + self._hot_growth(idxs, lens) - relief - self.allocator.rows.room())
+
     def newest_rows(self, idxs: list[int], lens: list[int], req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor) -> torch.Tensor:
         """Rows (int64) for each request's newest position ``seq_len - 1``, after demoting (policy)
-        until the resident requests' new rows leave the watermark free. Hot buffers grow from
-        their reserve, resident requests from the free rows."""
+        until the step's new rows leave the watermark free, and then until they fit at all
+        (requests whose demotion removes a page need, :meth:`Residency.short_of_a_page`). Hot
+        buffers and resident requests take their next pages from the free rows."""
         residency, rows = self.residency, self.allocator.rows
-        while residency.count() and rows.room() - residency.rows_needed(idxs, lens) < residency.policy.watermark_rows:
+        while residency.count() and (rows.room() - residency.rows_needed(idxs, lens) - self._hot_growth(idxs, lens)
+                                     < residency.policy.watermark_rows):
             if not self.demote_one():
                 break
-        for idx in residency.short_of_a_page(idxs, lens, rows.room()):  # growth itself must fit
+        for idx in residency.short_of_a_page(idxs, lens, rows.room() - self._hot_growth(idxs, lens)):
             self.demote(idx)
         self.batch_rows = {idx: i for i, idx in enumerate(idxs)}
         resident, hot = [], []
@@ -121,3 +134,7 @@ class ResidentDecode:
         residency.demote(idx, self.req_to_token[idx, :n].to(torch.int64), selected)
         logger.info("sglang-hisparse: request slot %d (%d tokens) demoted to a hot buffer (%s)", idx, n,
                     self.allocator.debug_print())
+
+
+def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]

@@ -12,15 +12,19 @@ the policy says whether a request may stay resident, which resident requests to 
 which pages a demoted request keeps; the mechanism only moves rows.
 
 Owned state (docs/design.md, "Ownership"): the per-request-slot resident flag ``flags`` (uint8
-[max_reqs] on the KV device, read by the resolver), the positions each resident request has on the
-device, and its *guarantee*: the rows reserved (``DeviceRows.reserved``) so that it can always
-become a hot buffer, ``max(0, padded - its rows)``. Counters: requests admitted resident and
-demotions. Promotion back to resident is not done: a demoted request stays a hot-buffer request.
+[max_reqs] on the KV device, read by the resolver) and the positions each resident request has on
+the device. Counters: requests admitted resident and demotions. Promotion back to resident is not
+done: a demoted request stays a hot-buffer request.
+
+A resident request holds exactly the rows a server without HiSparse gives it, and nothing is set
+aside for it: its next page comes from the free rows (checked before each decode step, with
+demotions counted as relief: :meth:`Residency.step_need`), and demoting it never needs rows (it
+keeps at most ``padded`` of its own).
 
 Invariants, per resident request slot ``idx`` with ``n`` positions on the device:
 ``logical_to_device[req_to_token[idx, p]]`` is its row for every ``p < n`` (its rows are mapped,
 not hot-owned, so a logical free releases them); its rows are ``round_up(n, page)`` whole pages;
-``rows + guarantee >= padded``; ``hot.holds(idx)`` is false.
+``hot.holds(idx)`` is false.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ from typing import Optional
 
 import torch
 
+from sglang_hisparse.errors import HiSparsePluginError
+
 
 @dataclass(frozen=True)
 class ResidencyPolicy:
     """When to stay resident, whom to demote, what a demoted request keeps.
 
-    * Admission: a request stays resident if, after its guarantee and rows, at least
+    * Admission: a request stays resident if, with its rows on the device, at least
       ``watermark_rows`` device rows stay free (``config.residency_watermark`` of the pool).
     * Pressure: before a decode step, if free rows minus what resident requests need this step
       fall under the watermark, or when a prefill or a hot buffer needs rows, resident requests
@@ -80,7 +86,6 @@ class Residency:
         self.flags = torch.zeros(max_reqs, dtype=torch.uint8, device=device)
         self.lengths: dict[int, int] = {}
         """Resident request slot -> positions with a device row."""
-        self._guarantee: dict[int, int] = {}
         self.admitted_total = 0
         self.demotions_total = 0
 
@@ -102,41 +107,50 @@ class Residency:
         return sum(self.reclaimable().values())
 
     def rows_needed(self, idxs: list[int], seq_lens: list[int]) -> int:
-        """Device rows (beyond guarantees) the resident requests among ``idxs`` take when their
-        newest position ``seq_len - 1`` gets a row: a page where that position starts one."""
-        p, need = self.page_size, 0
-        for idx, seq_len in zip(idxs, seq_lens):
-            if (seq_len - 1) % p == 0 and idx in self.lengths:
-                need += max(0, p - self._guarantee[idx])
-        return need
+        """Free rows the resident requests among ``idxs`` take when their newest position
+        ``seq_len - 1`` gets a row: a page where that position starts one."""
+        p = self.page_size
+        return sum(p for idx, seq_len in zip(idxs, seq_lens) if (seq_len - 1) % p == 0 and idx in self.lengths)
+
+    def _page_saved_by_demotion(self, idx: int, seq_len: int) -> int:
+        """Rows of this step's page need that demoting resident ``idx`` removes (its hot buffer
+        would hold the newest position in a slot it already has)."""
+        if (seq_len - 1) % self.page_size:
+            return 0
+        return self.page_size - self.hot.growth_after_opening(self.lengths[idx], seq_len)
+
+    def step_need(self, idxs: list[int], seq_lens: list[int]) -> tuple[int, int]:
+        """(rows, relief) for the one-token step at ``seq_lens``: the free rows the resident
+        requests among ``idxs`` take, and the most that demotions can make up for (rows every
+        resident request's demotion frees plus the page needs it removes). The step fits when
+        ``rows - relief`` does not exceed the free rows."""
+        rows = self.rows_needed(idxs, seq_lens)
+        relief = self.reclaimable_rows() + sum(self._page_saved_by_demotion(idx, n) for idx, n in zip(idxs, seq_lens)
+                                               if idx in self.lengths)
+        return rows, relief
 
     def short_of_a_page(self, idxs: list[int], seq_lens: list[int], room: int) -> list[int]:
         """The resident requests among ``idxs`` to demote so that the others' new pages fit in
-        ``room`` free rows (when demoting for rows left nothing to free: e.g. every resident
-        request holds exactly ``padded`` rows); longest first."""
-        p, need, short = self.page_size, 0, []
-        for idx, seq_len in zip(idxs, seq_lens):
-            if (seq_len - 1) % p == 0 and idx in self.lengths and self._guarantee[idx] < p:
-                need += p - self._guarantee[idx]
-                short.append(idx)
-        short.sort(key=lambda idx: -self.lengths[idx])
+        ``room`` free rows when demoting for rows left nothing to free (a request holding
+        exactly ``padded`` rows whose next position is its hot buffer's newest slot needs no
+        page once demoted); longest first."""
+        need = self.rows_needed(idxs, seq_lens)
+        saving = {idx: self._page_saved_by_demotion(idx, n) for idx, n in zip(idxs, seq_lens) if idx in self.lengths}
         chosen = []
-        for idx in short:
+        for idx in sorted((i for i, s in saving.items() if s > 0), key=lambda i: -self.lengths[i]):
             if need <= room:
                 break
-            need -= p - self._guarantee[idx]
+            need -= saving[idx]
             chosen.append(idx)
         return chosen
 
     # --- into residency ----------------------------------------------------------------------
     def admit(self, idx: int, n: int) -> bool:
         """Keep request slot ``idx``'s ``n`` mapped prefill positions on the device, if the policy
-        allows. Side effects when it does: the guarantee is reserved, the flag set."""
-        guarantee = max(0, self.hot.padded - self._rows(n))
-        if not self.policy.admits(self.allocator.rows.room() - guarantee):
+        allows (its rows are already held). Side effect when it does: the flag set."""
+        if not self.policy.admits(self.allocator.rows.room()):
             return False
-        self.allocator.rows.reserve(guarantee)
-        self._enter(idx, n, guarantee)
+        self._enter(idx, n)
         return True
 
     def admit_loaded(self, idx: int, logical_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -144,18 +158,16 @@ class Residency:
         the policy allows; the caller loads its KV from host into them. Returns the rows of
         positions ``0..n-1`` (int64), or None with nothing changed."""
         n = logical_ids.numel()
-        rows_needed, guarantee = self._rows(n), max(0, self.hot.padded - self._rows(n))
-        if not self.policy.admits(self.allocator.rows.room() - rows_needed - guarantee):
+        rows_needed = self._rows(n)
+        if rows_needed > self.allocator.rows.room() or not self.policy.admits(self.allocator.rows.room() - rows_needed):
             return None
         rows = self.allocator.rows.pages.alloc_tokens(rows_needed)[:n]
         self.allocator.map_logical(logical_ids, rows)
-        self.allocator.rows.reserve(guarantee)
-        self._enter(idx, n, guarantee)
+        self._enter(idx, n)
         return rows
 
-    def _enter(self, idx: int, n: int, guarantee: int) -> None:
+    def _enter(self, idx: int, n: int) -> None:
         self.lengths[idx] = n
-        self._guarantee[idx] = guarantee
         self.flags[idx] = 1
         self.admitted_total += 1
 
@@ -168,23 +180,21 @@ class Residency:
     def grow(self, idxs: list[int], seq_lens: list[int], logical_of: torch.Tensor) -> torch.Tensor:
         """Rows (int64, one per entry of ``idxs``, all resident, each one token longer than
         before) for each request's newest position ``seq_len - 1``: the next row of its last page,
-        or the first row of a new page (from its guarantee first). ``logical_of`` is SGLang's
-        req_to_token. The caller made sure enough rows are free (:meth:`rows_needed`)."""
-        p, rows = self.page_size, self.allocator.rows
-        new_page = []
-        for k, (idx, seq_len) in enumerate(zip(idxs, seq_lens)):
+        or the first row of a new page of free rows. ``logical_of`` is SGLang's req_to_token. The
+        caller made sure enough rows are free (:meth:`rows_needed`)."""
+        p = self.page_size
+        new_page = [k for k, seq_len in enumerate(seq_lens) if (seq_len - 1) % p == 0]
+        pages = self.allocator.rows.pages.alloc_pages(len(new_page)) if new_page else None
+        if new_page and pages is None:
+            raise HiSparsePluginError(
+                f"sglang-hisparse: no free device rows for the next page of {len(new_page)} resident request(s) "
+                f"({self.allocator.debug_print()}); the decode memory check should have retracted a request")
+        for idx, seq_len in zip(idxs, seq_lens):
             assert seq_len == self.lengths[idx] + 1, "a resident request grows one token per step"
             self.lengths[idx] = seq_len
-            if (seq_len - 1) % p == 0:
-                from_guarantee = min(p, self._guarantee[idx])
-                rows.release_reservation(from_guarantee)
-                self._guarantee[idx] -= from_guarantee
-                new_page.append(k)
         device = logical_of.device
         newest = self.own_rows(logical_of, torch.tensor(idxs, device=device), torch.tensor(seq_lens, device=device) - 2) + 1
         if new_page:
-            pages = rows.pages.alloc_pages(len(new_page))
-            assert pages is not None, "resident growth beyond the free rows (pressure relief failed)"
             newest[torch.tensor(new_page, device=newest.device)] = pages.to(newest.device) * p
         return newest
 
@@ -196,13 +206,12 @@ class Residency:
         At most ``padded`` rows: all of them (filled buffer, slot p = position p) or, for a longer
         request, the pages holding most of ``selected_rows`` (device rows the last step selected;
         None: the newest pages), the rest freed. Its mapping is cleared. Never fails: the
-        guarantee covers a short request's growth.
+        buffer is made of rows the request holds.
         """
         n = logical_ids.numel()
-        self.allocator.rows.release_reservation(self._guarantee[idx])
         if self._rows(n) <= self.hot.padded:
             opened = self.hot.open(idx, logical_ids, filled=True)
-            assert opened is not None, "a resident request's guarantee did not cover its hot buffer"
+            assert opened is not None, "a resident request's own pages did not make its hot buffer"
         else:
             self._demote_long(idx, logical_ids, selected_rows)
         self._leave(idx)
@@ -224,15 +233,13 @@ class Residency:
         self.hot.open_with_rows(idx, rows, positions)
 
     def release(self, idx: int, logical_ids: torch.Tensor) -> None:
-        """A resident request leaves: its rows (mapped at ``logical_ids``) and guarantee are freed,
+        """A resident request leaves: its rows (mapped at ``logical_ids``) are freed,
         the mapping cleared (idempotent for a slot that is not resident)."""
         if idx not in self.lengths:
             return
         self.allocator.free_prefill_rows(logical_ids)
-        self.allocator.rows.release_reservation(self._guarantee[idx])
         self._leave(idx)
 
     def _leave(self, idx: int) -> None:
         del self.lengths[idx]
-        del self._guarantee[idx]
         self.flags[idx] = 0

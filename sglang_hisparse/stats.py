@@ -46,7 +46,6 @@ def pool_free_counts(allocator, host_pool) -> FreeCounts:
     return {
         "logical_free": allocator.logical.available_tokens(),
         "device_free": allocator.rows.pages.available_tokens(),
-        "device_reserved": allocator.rows.reserved,
         "host_free": host_pool.available_size(),
     }
 

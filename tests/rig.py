@@ -180,12 +180,21 @@ class Rig:
         return ready
 
     # --- decode ------------------------------------------------------------------------------
+    def decode_fits(self, reqs: list) -> bool:
+        """SGLang's decode memory check with our seam (patches/decode_memory_check.py): a logical
+        id and host row per new page (SGLang's ``new_tokens_required_next_decode``), and the
+        device rows the coordinator says the step lacks."""
+        new_pages = sum(r.seq_len % PAGE == 0 for r in reqs)
+        if self.allocator.decode_available_size() < new_pages * PAGE:
+            return False
+        return self.coord.device_rows_short([r.req_pool_idx for r in reqs], [r.seq_len for r in reqs]) == 0
+
     def decode_step(self, reqs: list) -> bool:
         """Allocate and write the next token of each request (positions seq_len). Returns
         False (nothing changed) when the decode check says there is no room."""
         if not reqs:
             return True
-        if self.allocator.decode_available_size() < len(reqs) * PAGE:
+        if not self.decode_fits(reqs):
             return False
         idx = torch.tensor([r.req_pool_idx for r in reqs])
         seq_lens = torch.tensor([r.seq_len + 1 for r in reqs])

@@ -1,6 +1,7 @@
 """Property tests of the dual-address-space allocator: random interleavings of prefill (with
-chunked continuation), decode, hot-buffer allocation, growth, finish and abort never hand out a
-row twice, keep the mapping consistent, and return every counter to its initial value."""
+chunked continuation), decode, hot-buffer allocation, growth from the free rows, finish and abort
+never hand out a row twice, keep the mapping consistent, count as admission room exactly the rows
+no request holds, and return every counter to its initial value."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a = make_allocator()
         self.initial = self.snapshot()
         self.prefilling: dict[int, list] = {}  # id -> logical ids (positions 0..n-1), rows mapped
-        self.decoding: dict[int, dict] = {}  # id -> {"logical": [...], "rows": [...], "reserved": int}
+        self.decoding: dict[int, dict] = {}  # id -> {"logical": [...], "rows": [...]}
         self.next_id = 0
 
     def snapshot(self):
-        return (self.a.logical.available_pages(), self.a.rows.pages.available_pages(), self.a.rows.reserved)
+        return (self.a.logical.available_pages(), self.a.rows.pages.available_pages())
 
     # --- prefill ---------------------------------------------------------------------------
     @rule(n=st.integers(1, 5 * PAGE))
@@ -74,10 +75,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         ids = self.prefilling[rid]
         keep = min(-(-len(ids) // PAGE) * PAGE, HOT)
         rows = self.a.take_hot_buffer(torch.tensor(ids), keep)
-        if rows is None:
-            return  # waits in staging
+        assert rows is not None, "a hot buffer made of the request's own pages needs no free rows"
         del self.prefilling[rid]
-        self.decoding[rid] = {"logical": ids, "rows": rows.tolist(), "reserved": HOT - keep}
+        self.decoding[rid] = {"logical": ids, "rows": rows.tolist()}
 
     @precondition(lambda self: self.decoding)
     @rule(data=st.data())
@@ -87,13 +87,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.a.decode_available_size() < PAGE:
             return
         seq = len(state["logical"]) + 1
+        grows = len(state["rows"]) < min(seq, HOT)  # its newest slot starts a page it has no row for
+        free_before = self.a.rows.room()
+        if grows and free_before < PAGE:
+            assert self.a.grow_hot_buffer(PAGE) is None and self.a.rows.room() == free_before
+            return  # the decode check would retract a request first
         new = self.a.alloc_decode(torch.tensor([seq]), torch.tensor([seq]), torch.tensor([state["logical"][-1]]))
         assert new is not None
         state["logical"].append(int(new))
-        if state["reserved"] and len(state["rows"]) < min(seq, HOT):
-            grown = self.a.grow_hot_buffer(PAGE)
-            state["rows"].extend(grown.tolist())
-            state["reserved"] -= PAGE
+        if grows:
+            state["rows"].extend(self.a.grow_hot_buffer(PAGE).tolist())
         slot = min(seq - 1, len(state["rows"]) - 1)
         self.a.map_logical(new, torch.tensor([state["rows"][slot]]))
 
@@ -102,7 +105,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def finish(self, data):
         rid = data.draw(st.sampled_from(sorted(self.decoding)))
         state = self.decoding.pop(rid)
-        self.a.release_hot_buffer(torch.tensor(state["rows"]), state["reserved"])
+        self.a.release_hot_buffer(torch.tensor(state["rows"]))
         self.a.unmap_logical(torch.tensor(state["logical"]))
         self.a.free(torch.tensor(state["logical"]))
 
@@ -114,7 +117,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.decoding)))
         state = self.decoding.pop(rid)
         self.a.free(torch.tensor(state["logical"]))
-        self.a.release_hot_buffer(torch.tensor(state["rows"]), state["reserved"])
+        self.a.release_hot_buffer(torch.tensor(state["rows"]))
 
     @precondition(lambda self: self.prefilling)
     @rule(data=st.data(), in_staging=st.booleans())
@@ -145,14 +148,14 @@ class AllocatorMachine(RuleBasedStateMachine):
         held_logical += [i for s in self.decoding.values() for i in s["logical"]]
         assert len(set(held_logical)) == len(held_logical), "a logical id is held twice"
         assert not {i // PAGE for i in held_logical} & set(self.a.logical.free_pages.tolist())
-        assert self.a.rows.reserved == sum(s["reserved"] for s in self.decoding.values())
-        assert self.a.rows.pages.available_tokens() >= self.a.rows.reserved
+        assert self.a.available_size() == min(self.a.decode_available_size(), self.a.rows.room()), \
+            "admission counts exactly the rows that are not held"
 
     def teardown(self):
         for rid in list(self.decoding):
             state = self.decoding.pop(rid)
             self.a.unmap_logical(torch.tensor(state["logical"]))
-            self.a.release_hot_buffer(torch.tensor(state["rows"]), state["reserved"])
+            self.a.release_hot_buffer(torch.tensor(state["rows"]))
             self.a.free(torch.tensor(state["logical"]))
         for rid in list(self.prefilling):
             self.a.free(torch.tensor(self.prefilling.pop(rid)))
@@ -176,12 +179,17 @@ def test_logical_ids_and_device_rows_share_in_page_offsets():
     assert a.logical_to_device[-1] == -1
 
 
-def test_admission_counts_hot_buffers_and_decode_does_not():
+def test_admission_counts_the_rows_a_request_holds_and_nothing_more():
+    """A short request is charged its own page, not a hot buffer it does not use; its growth takes
+    a free page when it gets there. Decode needs logical ids only."""
     a = make_allocator()
-    before = a.available_size()
-    assert before == DEVICE_ROWS - HOT  # a new request must leave room for its hot buffer
+    assert a.available_size() == DEVICE_ROWS  # nothing set aside for a hot buffer
     ids = a.alloc_extend(torch.tensor([0]), torch.tensor([0]), torch.tensor([10]), torch.tensor([10]), torch.tensor([-1]), 10)
     rows = a.take_hot_buffer(ids, PAGE)
-    assert rows is not None and a.rows.reserved == HOT - PAGE
-    assert a.available_size() == DEVICE_ROWS - PAGE - (HOT - PAGE) - HOT
+    assert rows is not None and a.available_size() == DEVICE_ROWS - PAGE
+    grown = a.grow_hot_buffer(PAGE)
+    assert grown is not None and a.available_size() == DEVICE_ROWS - 2 * PAGE
     assert a.decode_available_size() == a.logical_size - PAGE
+    taken = a.rows.pages.alloc_tokens(a.rows.room())
+    assert a.grow_hot_buffer(PAGE) is None and a.available_size() == 0, "growth takes free rows or nothing"
+    a.rows.pages.free_tokens(taken)

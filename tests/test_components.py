@@ -94,20 +94,21 @@ CAPACITY = Capacity(device_rows=8192, hot_buffer_rows=192, page_size=64, logical
 @pytest.mark.parametrize(
     "prompt, max_new, ignore_eos, refused",
     [
-        (7936, 4, True, False),  # 7936 + 4 + reserve 1 < 8000
-        (7937, 4, True, True),  # 8000 rows after rounding leave nothing for the new tokens
-        (3000, 4989, True, False),  # 3008 + 4989 + 1 = 7998
-        (3000, 4991, True, True),  # every new token of an ignore_eos request counts, unclipped
-        (7000, 900, False, False),  # 7000 + 900 + 64 < 8000
-        (7000, 1000, False, True),  # 8064 >= 8000
+        (8128, 4, True, False),  # 8128 + 4 + reserve 1 < 8192
+        (8129, 4, True, True),  # 8192 rows after rounding leave nothing for the new tokens
+        (3000, 5181, True, False),  # 3008 + 5181 + 1 = 8190
+        (3000, 5183, True, True),  # every new token of an ignore_eos request counts, unclipped
+        (7000, 1100, False, False),  # 7000 + 1100 + 64 < 8192
+        (7000, 1200, False, True),  # 8264 >= 8192
         (3000, 100000, False, False),  # the estimate is clipped: 3000 + 4096 + 64 = 7160
-        (4000, 100000, False, True),  # 4000 + 4096 + 64 = 8160
+        (4100, 100000, False, True),  # 4100 + 4096 + 64 = 8260
     ],
 )
 def test_the_refusal_rule_mirrors_sglangs_idle_admission(prompt, max_new, ignore_eos, refused):
-    assert CAPACITY.idle_room == 8000
+    """The idle room is the whole device pool: no hot buffer is set aside for a request."""
+    assert CAPACITY.idle_room == 8192
     problem = refusal(CAPACITY, prompt_len=prompt, max_new_tokens=max_new, ignore_eos=ignore_eos,
                       clip_new_tokens=4096, ignore_eos_reserve=1)
     assert (problem is not None) == refused
     if refused:
-        assert "never has more than 8000" in problem and "device pool 8192 rows - one hot buffer 192" in problem
+        assert "never has more than 8192" in problem and "device pool 8192 rows, logical ids 16384" in problem

@@ -120,7 +120,7 @@ def test_short_request_grows_through_the_fast_path_into_the_long_path(gloo_world
         layer = step % rig.layers
         rig.resolve_and_check([req], layer, [select(rng, req, rig.top_k, 0.5)])
     assert rig.coord.hot.capacity[req.req_pool_idx] == rig.coord.padded_buffer_size
-    assert rig.allocator.rows.reserved == 0
+    assert rig.counts()["device_free"] == rig.initial_counts["device_free"] - rig.coord.padded_buffer_size
     rig.release(req)
     assert rig.counts() == rig.initial_counts
 
@@ -170,21 +170,31 @@ def test_abort_in_staging_frees_prefill_rows_and_host_rows(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
-def test_requests_wait_in_staging_until_a_hot_buffer_fits(gloo_world):
-    """Device rows: 24 pages. Each decoding request holds 3 pages (B=128 + newest page)."""
+def test_a_step_whose_pages_are_not_free_is_refused_until_a_request_leaves(gloo_world):
+    """Device rows: 10 pages. Four short requests hold two pages each (nothing set aside for their
+    growth), so all four are admitted. At position 128 each needs a third page and two are free:
+    the decode check refuses the step (SGLang retracts a request), and once one leaves the other
+    three decode on, exactly."""
     rig = Rig(gloo_world, device_rows=PAGE * 10, max_reqs=8)
+    rng = random.Random(3)
     reqs = [Request(uid=10 + i, prompt_len=100) for i in range(4)]
-    admitted = [r for r in reqs if rig.prefill(r)]
-    assert len(admitted) < len(reqs), "admission keeps room for hot buffers"
-    for r in admitted:
+    assert all(rig.prefill(r) for r in reqs), "each is charged its own two pages"
+    for r in reqs:
         rig.stage(r)
-    ready = rig.collect()
-    assert ready == admitted[: len(ready)] and ready
-    rig.release(ready[0])
-    for r in ready[1:]:
+    assert rig.collect() == reqs
+    while reqs[0].seq_len < 2 * PAGE:
+        assert rig.decode_step(reqs)
+    idxs, lens = [r.req_pool_idx for r in reqs], [r.seq_len for r in reqs]
+    assert rig.coord.device_rows_short(idxs, lens) == 2 * PAGE
+    assert not rig.decode_step(reqs) and rig.counts()["device_free"] == 2 * PAGE, "a refused step takes nothing"
+    rig.release(reqs[3], retract=True)
+    assert rig.coord.device_rows_short(idxs[:3], lens[:3]) == 0
+    for _ in range(30):
+        assert rig.decode_step(reqs[:3])
+        for layer in range(rig.layers):
+            rig.resolve_and_check(reqs[:3], layer, [select(rng, r, rig.top_k, 0.5) for r in reqs[:3]])
+    for r in reqs[:3]:
         rig.release(r)
-    for r in admitted[len(ready):]:
-        rig.release(r, retract=True)
     assert rig.counts() == rig.initial_counts
 
 
@@ -281,6 +291,10 @@ def run_random_lifecycle(rig: Rig, rng: random.Random, overlap: float, *, length
             rig.release(victim, retract=rng.random() < 0.5)
         else:
             decoding = [r for r in live if r.state == "decoding"]
+            while len(decoding) > 1 and not rig.decode_step(decoding):  # SGLang's retract_decode
+                victim = decoding.pop(rng.randrange(len(decoding)))
+                live.remove(victim)
+                rig.release(victim, retract=True)
             if decoding and rig.decode_step(decoding):
                 for layer in range(rig.layers):
                     rig.resolve_and_check(decoding, layer, [select(rng, r, rig.top_k, overlap) for r in decoding])

@@ -13,19 +13,24 @@ from test_coordinator_lifecycle import select
 from sglang_hisparse.pd import offload_request, restore_request
 
 
-def test_pd_budgets_are_net_of_host_rows_and_growth_reservations(gloo_world):
+def test_pd_budgets_are_net_of_host_rows_and_held_device_rows(gloo_world):
     """``logical_attn_allocator.available_size()`` is the decode room (logical ids net of host
-    rows); ``hisparse_attn_allocator.available_size()`` counts device rows net of growth
-    reservations, so SGLang's ``// padded_buffer_size`` is the number of hot buffers it may promise."""
+    rows); ``hisparse_attn_allocator.available_size()`` counts the free device rows, so SGLang's
+    ``// padded_buffer_size`` is the number of full hot buffers it may promise. A short request
+    holds only its own pages."""
     rig = Rig(gloo_world, device_rows=PAGE * 12, host_ratio=0.5)
     allocator, padded = rig.allocator, rig.coord.padded_buffer_size
     assert allocator.logical_attn_allocator.available_size() == allocator.decode_available_size()
     assert allocator.logical_attn_allocator.available_size() < allocator.logical.available_tokens()  # host binds
     before = allocator.hisparse_attn_allocator.available_size()
     assert before == PAGE * 12
-    short = Request(uid=1, prompt_len=70)  # keeps 2 pages, reserves the rest of its hot buffer
+    short = Request(uid=1, prompt_len=70)  # keeps 2 pages; its later pages come when it reaches them
     assert rig.admit_direct(short)
-    assert allocator.hisparse_attn_allocator.available_size() == before - padded
+    assert allocator.hisparse_attn_allocator.available_size() == before - 2 * PAGE
+    long = Request(uid=2, prompt_len=150)  # longer than B: a full hot buffer of fresh rows (its KV is on host)
+    assert rig.admit_direct(long)
+    assert allocator.hisparse_attn_allocator.available_size() == before - 2 * PAGE - padded
+    rig.release(long)
     assert allocator.logical_attn_allocator.available_size() == allocator.decode_available_size()
     rig.release(short)
     assert allocator.hisparse_attn_allocator.available_size() == before

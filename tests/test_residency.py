@@ -161,10 +161,11 @@ def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world
     assert rig.counts() == rig.initial_counts
 
 
-def test_demoting_a_short_resident_request_fills_its_hot_buffer_from_its_guarantee(gloo_world):
+def test_demoting_a_short_resident_request_makes_a_filled_hot_buffer_of_its_rows(gloo_world):
     """The mechanism on its own (the policy never picks a request whose demotion frees nothing):
-    a resident request shorter than a hot buffer becomes a filled one, its guarantee turned into
-    the buffer's growth reserve, and keeps decoding exactly through the fast and long paths."""
+    a resident request shorter than a hot buffer holds only its own pages (nothing is set aside
+    for it), becomes a filled hot buffer of exactly those rows, and keeps decoding exactly
+    through the fast and long paths, taking its next pages from the free rows."""
     rig = Rig(gloo_world, residency=True, residency_watermark=0.0)
     rng = random.Random(12)
     req = Request(uid=4, prompt_len=70)  # 2 pages < padded = 192 rows
@@ -172,14 +173,42 @@ def test_demoting_a_short_resident_request_fills_its_hot_buffer_from_its_guarant
     rig.stage(req)
     rig.collect()
     residency, idx = rig.coord.residency, req.req_pool_idx
-    assert residency.holds(idx) and rig.allocator.rows.reserved == rig.coord.hot.padded - 2 * PAGE
+    free = rig.initial_counts["device_free"]
+    assert residency.holds(idx) and rig.counts()["device_free"] == free - 2 * PAGE
     decode(rig, [req], rng, steps=5)
     logical = rig.req_to_token_pool.req_to_token[idx, : req.seq_len].to(torch.int64)
     residency.demote(idx, logical, None)
-    assert rig.coord.hot.holds(idx) and rig.coord.hot.reserve[idx] == rig.allocator.rows.reserved == PAGE
+    assert rig.coord.hot.holds(idx) and rig.coord.hot.capacity[idx] == 2 * PAGE
+    assert rig.counts()["device_free"] == free - 2 * PAGE
     decode(rig, [req], rng, steps=80)  # grows past B = 128 into the long path
-    assert rig.coord.stats.totals()[1] > 0
+    assert rig.coord.stats.totals()[1] > 0 and rig.coord.hot.capacity[idx] == rig.coord.hot.padded
     rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_short_resident_requests_hold_what_they_would_without_hisparse(gloo_world):
+    """With every request resident the device rows in use are exactly SGLang's (whole pages of
+    each request's positions); a step whose new pages are not free is refused by the decode
+    check, with demotions counted as relief, and fits again once a request leaves."""
+    rig = Rig(gloo_world, device_rows=PAGE * 12, max_reqs=8, residency=True, residency_watermark=0.0)
+    rng = random.Random(14)
+    reqs = [Request(uid=20 + i, prompt_len=100) for i in range(5)]  # 2 pages each
+    assert all(rig.prefill(r) for r in reqs)
+    for r in reqs:
+        rig.stage(r)
+    assert rig.collect() == reqs and rig.coord.residency.count() == 5
+    assert rig.allocator.available_size() == 2 * PAGE
+    while reqs[0].seq_len < 2 * PAGE:
+        decode(rig, reqs, rng, steps=1)
+    idxs, lens = [r.req_pool_idx for r in reqs], [r.seq_len for r in reqs]
+    assert rig.coord.device_rows_short(idxs, lens) == 3 * PAGE, "five new pages, two free, nothing to reclaim"
+    assert not rig.decode_step(reqs)
+    rig.release(reqs[4], retract=True)
+    rig.release(reqs[3], retract=True)
+    decode(rig, reqs[:3], rng, steps=40)
+    assert rig.coord.residency.demotions_total == 0
+    for r in reqs[:3]:
+        rig.release(r)
     assert rig.counts() == rig.initial_counts
 
 

@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402
 from decode_log import decode_stats, parse_batches  # noqa: E402
+from profile_summary import load_events, summarize as summarize_profile  # noqa: E402
 
 from sglang_hisparse.testing.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
 from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
@@ -94,6 +98,54 @@ def summarize(impl: str, locality: str, concurrency: int, runs: list[dict], kv_d
             "io_gb_s": statistics.median(io) if io else None, "runs": runs}
 
 
+def no_pressure_lengths(concurrency: int, buffer: int, seed: int) -> list[int]:
+    """Prompt lengths of the no-pressure point: uniform in [B/8, 3B/8], so that prompt + new tokens
+    stay below B (every request on the fast path) and 128 of them fit a 262,144-token pool."""
+    rng = random.Random(seed)
+    return [rng.randrange(buffer // 8, 3 * buffer // 8) for _ in range(concurrency)]
+
+
+def level_batch(args, concurrency: int, seed: int) -> list[list[int]]:
+    """The prompts of one run at ``concurrency``: ``--context`` tokens each, or the no-pressure mix."""
+    if args.no_pressure:
+        return e2e.prompts(no_pressure_lengths(concurrency, args.buffer, seed), seed=seed)
+    return e2e.prompts([args.context] * concurrency, seed=seed)
+
+
+def start_profile(server: Server, out_dir: Path, steps: int, timeout: float = 300) -> None:
+    """SGLang's torch profiler over the next ``steps`` forward steps (CPU and GPU activities, Python
+    stacks, no shapes); returns once the trace is written under ``out_dir``."""
+    body = {"output_dir": str(out_dir), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True,
+            "record_shapes": False, "profile_by_stage": False}
+    request = urllib.request.Request(f"{server.url}/start_profile", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        response.read()
+
+
+def profile_level(server: Server, args, impl: str, concurrency: int, held: int, out_dir: Path) -> dict:
+    """One more run at ``concurrency``, profiled for ``--profile-steps`` decode steps once ``held``
+    requests decode together (steady state); the trace reduced by scripts/gpu/profile_summary.py."""
+    batch = level_batch(args, concurrency, seed=10 + concurrency)
+    log_start = len(server.log())
+    worker = threading.Thread(target=server.generate, args=(batch, args.new_tokens), daemon=True)
+    worker.start()
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        running = [b.running for b in parse_batches(server.log()[log_start:]) if b.decode]
+        if running and running[-1] >= held:
+            break
+        time.sleep(0.02)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start_profile(server, out_dir, args.profile_steps)
+    worker.join()
+    traces = sorted(out_dir.glob("*.trace.json*"))
+    if not traces:
+        raise RuntimeError(f"no trace under {out_dir}")
+    summary = summarize_profile(load_events(traces[-1]), skip=2)
+    return {"impl": impl, "concurrency": concurrency, "held": held, "steps": args.profile_steps, **summary}
+
+
 def layer_timing(server: Server, args, layers: int) -> list[dict]:
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
@@ -113,11 +165,13 @@ def spec_server_flags(steps: int) -> tuple[str, ...]:
 def sweep(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     layers = layer_count(args.model)
+    profile_levels = {int(c) for c in args.profile_levels.split(",") if c}
     result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
                     "speculative": e2e.speculative_label(args.spec_steps),
-                    "context": args.context, "new_tokens": args.new_tokens,
+                    "context": f"{args.buffer // 8}-{3 * args.buffer // 8}" if args.no_pressure else args.context,
+                    "pressure": not args.no_pressure, "new_tokens": args.new_tokens,
                     "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
-                    "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "skipped": []}
+                    "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "profiles": [], "skipped": []}
     t_start = time.time()
 
     def left() -> float:
@@ -155,10 +209,18 @@ def sweep(args) -> dict:
                     if left() < args.level_margin_s:
                         result["skipped"].append(f"{impl}:{locality} c={c} repeat {r} (time budget)")
                         break
-                    runs.append(measure(server, impl, e2e.prompts([args.context] * c, seed=10 + c), args.new_tokens))
+                    runs.append(measure(server, impl, level_batch(args, c, seed=10 + c), args.new_tokens))
                 if runs:
                     result["rows"].append(summarize(impl, locality, c, runs, args.kv_dtype))
                     print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
+                if runs and c in profile_levels and left() >= args.level_margin_s:
+                    try:
+                        profile = profile_level(server, args, impl, c, result["rows"][-1]["held"],
+                                                Path(args.profile_dir) / f"{impl}_{locality}_c{c}")
+                        result["profiles"].append(profile)
+                        print(json.dumps({"profile": profile}), flush=True)
+                    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                        result["skipped"].append(f"{impl}:{locality} c={c} profile failed: {repr(e)[-800:]}")
                 save()
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed: {repr(e)[-1500:]}")
@@ -180,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "MTP layer, e.g. ds32-width-mtp; runs without the overlap scheduler)")
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--no-pressure", action="store_true",
+                   help="the no-pressure point: prompts uniform in [B/8, 3B/8] instead of --context (shorter than B "
+                        "with their new tokens; 128 of them fit the default pool)")
+    p.add_argument("--profile-levels", default="",
+                   help="concurrency levels to profile after measuring them (one more run, SGLang's torch profiler)")
+    p.add_argument("--profile-steps", type=int, default=24)
+    p.add_argument("--profile-dir", default="/tmp/profiles")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--buffer", type=int, default=4096)
