@@ -226,16 +226,27 @@ class HiSparseCoordinator:
 
     # --- decode steps ------------------------------------------------------------------------
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
-        """Before a decode step (``seq_lens`` count the new token): write the previous token
-        through to host, grow short buffers, and map the new token's logical id to its newest slot."""
+        """Before a decode step (``seq_lens`` count the new token): write the previous tokens
+        through to host (at once where the step overwrites their rows, a page at a time where the
+        rows stay put: :meth:`HostMirror.write_through`), grow short buffers and resident requests,
+        and map the new token's logical id to its row."""
         if self.config.query_rows > 1:
             raise HiSparsePluginError("sglang-hisparse: a one-token decode step on a server whose decode steps "
                                       f"verify {self.config.query_rows} tokens (begin_verify_step maps those)")
-        lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
-        self.stats.note_decode_step(len(lens))
-        self.mirror.write_through(idxs, lens, self.device_rows_now)
+        idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
+        self.stats.note_decode_step(int(lens.numel()))
+        self.mirror.write_through(idxs, lens, self.device_rows_now, stable=self._rows_stay_put(idxs, lens))
         newest = self.hot if self._resident_decode is None else self._resident_decode
         self.allocator.map_logical(out_cache_loc, newest.newest_rows(idxs, lens, req_pool_indices, seq_lens))
+
+    def _rows_stay_put(self, idxs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Per request of a one-token step at ``lens`` (int64 CPU tensors; bool CPU tensor out):
+        whether the rows of its positions before ``L - 1`` stay where they are through the step (a
+        resident request's own rows; a hot buffer on the fast path, whose previous token sits in
+        slot ``L - 2 < B``). False where the step overwrites the previous token's row (a long hot
+        buffer's newest slot B)."""
+        stay = lens - 2 < self.hot.buffer_size
+        return stay if self.residency is None else stay | self.residency.mask(idxs)
 
     def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
         """Device rows the next decode step of these requests lacks (0: it fits), after every
@@ -250,7 +261,9 @@ class HiSparseCoordinator:
         lens = [n + 1 for n in committed_lens]
         if self._resident_decode is not None:
             return self._resident_decode.rows_short(req_pool_indices, lens)
-        return max(0, self.hot.step_growth(req_pool_indices, lens) - self.allocator.rows.room())
+        p = self.hot.page_size  # a one-token step grows a buffer only where its newest position starts a page
+        growing = [(idx, n) for idx, n in zip(req_pool_indices, lens) if (n - 1) % p == 0]
+        return max(0, sum(self.hot.step_growth([idx], [n]) for idx, n in growing) - self.allocator.rows.room())
 
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last write-through (it overwrites the newest slot)."""
@@ -293,9 +306,9 @@ class HiSparseCoordinator:
             self._leave_staging(req)
             return
         self._wait_for_producer()  # the overlapped forward may still read its rows
-        self.mirror.order_forward_after_write_through()
+        self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
         if self.residency is not None and self.residency.holds(idx):
-            self.residency.release(idx, self._logical_ids(req, self.residency.lengths[idx]))
+            self.residency.release(idx, self._logical_ids(req, self.residency.length_of(idx)))
         elif req.kv is not None:
             self.allocator.unmap_logical(self._logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)

@@ -62,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     buffer_size = args.device_buffer_size or (128 if cpu else 4096)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="hisparse-demo-"))
     common, env = server_flags(contexts, cpu=cpu)
-    # wait_for_staging: requests join decode in the step they would without HiSparse (same batches)
-    config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1, "wait_for_staging": true}}'
+    # wait_for_staging: requests join decode in the step they would without HiSparse (same batches);
+    # residency off: these requests fit the pool, so by default they would keep their whole KV on the
+    # device and copy nothing; the demo shows the hot buffers at work instead
+    config = f'{{"device_buffer_size": {buffer_size}, "stats_log_interval": 1, "wait_for_staging": true, "residency": false}}'
     model = "tiny-dsa-cpu" if cpu else "tiny-dsa"
     print(f"[demo] {'CPU (SGLang CPU engine, torch DSA path)' if cpu else 'GPU'}; model {model}; logs in {log_dir}")
     print(f"[demo] --hisparse-config {config}")

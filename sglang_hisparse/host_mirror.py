@@ -14,15 +14,20 @@ delays a decode step):
   :meth:`order_forward_after_write_through` before it writes the newest slot again.
 
 Invariant (per request slot): positions ``[0, mirrored_len)`` have a host row and a copy to it
-has been submitted; a decode step with ``seq_len = L`` submits ``[mirrored_len, L - 1)``, which
-is one position in steady state and none in the first step after staging or direct admission.
+has been submitted; positions ``[mirrored_len, L - 1)`` of a decode step with ``seq_len = L`` are
+*pending*. A step copies a request's pending positions at once when their rows will be overwritten
+(a long hot buffer's newest slot, which the step's token takes next) and orders the next forward
+after that copy; pending positions in rows that stay put (a resident request's own rows, a short
+hot buffer's slots below B) are copied a page at a time, with no forward waiting for them. Every
+copy that reads a request's rows is ordered before the rows are freed or overwritten
+(:meth:`order_after_writes`, and a pending-everything copy before a demotion or a retraction).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Iterable, Optional
+from typing import Any, Callable, Deque, Optional, Sequence
 
 import torch
 
@@ -54,12 +59,16 @@ class HostMirror:
         """int64 [max_reqs, max_context + page]: host row of each position (-1: none)."""
         self.rows_allocated = torch.zeros(max_reqs, dtype=torch.int64)
         """int64 [max_reqs] (CPU): positions of each request that have a host row (whole pages)."""
-        self.mirrored_len = [0] * max_reqs
+        self.mirrored_len = torch.zeros(max_reqs, dtype=torch.int64)
+        """int64 [max_reqs] (CPU): positions of each request whose copy to host was submitted."""
         self.producer_stream: Optional[Any] = None
         self._staging_lane = CopyLane(device)
         self._write_lane = CopyLane(device)
         self._staged: Deque[_Staged] = deque()
         self._unordered_write: Optional[Fence] = None
+        """The last copy of rows the next step overwrites, until the forward is ordered after it."""
+        self._last_write: Optional[Fence] = None
+        """The last write-through copy of any kind (lane order: done means every earlier one is)."""
 
     # --- staging -----------------------------------------------------------------------------
     def stage(self, req: Any, device_rows: torch.Tensor) -> None:
@@ -115,46 +124,71 @@ class HostMirror:
     # --- write-through -----------------------------------------------------------------------
     def write_through(
         self,
-        req_pool_idxs: Iterable[int],
-        seq_lens: Iterable[int],
+        req_pool_idxs: Sequence[int] | torch.Tensor,
+        seq_lens: Sequence[int] | torch.Tensor,
         device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        stable: Optional[torch.Tensor] = None,
     ) -> None:
-        """Submit the copy of every decoded position not yet mirrored (see the invariant).
+        """Submit the copy of decoded positions not yet mirrored (see the invariant).
 
         ``device_rows_of(req_pool_idx, position)`` (int64 device tensors) gives the device row
-        holding each position now. Side effects: host rows for those positions; one copy on the
-        write-through lane after the current and producer streams.
+        holding each position now. ``stable`` (bool CPU tensor, one flag per request, default all
+        false): the request's pending positions sit in rows no later step overwrites, so they are
+        copied only once a page's worth is pending and the forward is not ordered after them; the
+        others are copied now and the next forward waits for that copy
+        (:meth:`order_forward_after_write_through`). ``req_pool_idxs`` and ``seq_lens``: lists or
+        int64 CPU tensors. The host work is a few tensor ops for the whole batch (a decode step's
+        hot path) plus Python for requests whose host rows grow. Side effects: host rows for the
+        copied positions; at most one copy on the write-through lane, after the current and
+        producer streams.
         """
-        reqs, positions = [], []
-        page = self.pool.page_size
-        for idx, seq_len in zip(req_pool_idxs, seq_lens):
-            end = seq_len - 1
-            start = self.mirrored_len[idx]
-            if start >= end:
-                continue
-            if end > -(-start // page) * page:  # rows of [0, start) are whole pages: only then can it grow
-                self.pool.grow_request_rows(self.row_table, self.rows_allocated, idx, end)
-            reqs += [idx] * (end - start)
-            positions += range(start, end)
-            self.mirrored_len[idx] = end
-        if not reqs:
+        idx = torch.as_tensor(req_pool_idxs, dtype=torch.int64)
+        end = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
+        start = self.mirrored_len[idx]
+        pending = end - start
+        take = pending > 0
+        if stable is not None:
+            take &= ~stable | (pending >= self.pool.page_size)
+        if not bool(take.any()):
             return
+        urgent = stable is None or bool((take & ~stable).any())
+        idx, start, end, pending = idx[take], start[take], end[take], pending[take]
+        grows = (end > self.rows_allocated[idx]).nonzero().view(-1)
+        for i, e in zip(idx[grows].tolist(), end[grows].tolist()):
+            self.pool.grow_request_rows(self.row_table, self.rows_allocated, i, e)
+        self.mirrored_len[idx] = end
+        if bool((pending == 1).all()):  # the steady state: each request's previous token
+            reqs, positions = idx, start
+        else:
+            reqs = idx.repeat_interleave(pending)
+            offsets = torch.arange(reqs.numel()) - (pending.cumsum(0) - pending).repeat_interleave(pending)
+            positions = start.repeat_interleave(pending) + offsets
         device = self.row_table.device
-        req_t = torch.tensor(reqs, dtype=torch.int64).to(device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+        req_t = reqs.to(device, non_blocking=True)
+        pos_t = positions.to(device, non_blocking=True)
         host_rows = self.row_table[req_t, pos_t]
         device_rows = device_rows_of(req_t, pos_t)
-        self._unordered_write = self._write_lane.submit(
+        self._last_write = self._write_lane.submit(
             lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
             after=(self.producer_stream,),
             reads=(device_rows, host_rows),
         )
+        if urgent:
+            self._unordered_write = self._last_write
 
     def order_forward_after_write_through(self) -> None:
-        """Make the current stream wait (on the device) for the last submitted write-through."""
+        """Make the current stream wait (on the device) for the last copy of rows the next step
+        overwrites (none pending: nothing to wait for)."""
         if self._unordered_write is not None:
             self._unordered_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
             self._unordered_write = None
+
+    def order_after_writes(self) -> None:
+        """Make the current stream wait (on the device) for every write-through copy submitted so
+        far: before rows they read are freed, or host rows they write are handed out again."""
+        if self._last_write is not None:
+            self._last_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
+            self._last_write = self._unordered_write = None
 
     # --- retraction (PD decode): KV out of the host pool and back ------------------------------
     def snapshot(self, req_pool_idx: int, n_tokens: int) -> torch.Tensor:

@@ -145,10 +145,13 @@ class HotBuffers:
         keep = min(-(-n // self.page_size) * self.page_size, self.padded)
         return self._rows_to_add(keep, self._slots_for_step(seq_len))
 
-    def grow(self, idxs: list[int], seq_lens: list[int]) -> None:
-        """Before a one-token step: a request whose newest position ``seq_len - 1 <= B`` has no
-        row yet gets the next page(s) from the free rows."""
-        for idx, seq_len in zip(idxs, seq_lens):
+    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors): a request whose
+        newest position ``seq_len - 1 <= B`` has no row yet gets the next page(s) from the free
+        rows. That only ever happens where the position starts a page (capacities are whole
+        pages), so only those requests are looked at."""
+        at_page_start = ((seq_lens - 1) % self.page_size == 0).nonzero().view(-1)
+        for idx, seq_len in zip(idxs[at_page_start].tolist(), seq_lens[at_page_start].tolist()):
             self._grow_to(idx, self._slots_for_step(seq_len))
 
     def _grow_to(self, idx: int, needed: int) -> None:
@@ -167,10 +170,10 @@ class HotBuffers:
         self.slot_rows[idx, have : have + add] = rows.to(torch.int32)
         self.capacity[idx] = have + add
 
-    def newest_rows(self, idxs: list[int], seq_lens: list[int], req_pool_indices: torch.Tensor,
+    def newest_rows(self, idxs: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens_t: torch.Tensor) -> torch.Tensor:
-        """Before a step: grow short buffers (:meth:`grow`) and return each request's row (int64)
-        for its newest position ``seq_len - 1``."""
+        """Before a step: grow short buffers (:meth:`grow`; ``idxs`` and ``seq_lens`` on the CPU)
+        and return each request's row (int64, on the device) for its newest position ``seq_len - 1``."""
         self.grow(idxs, seq_lens)
         return self.rows_of_positions(req_pool_indices, seq_lens_t - 1)
 

@@ -109,8 +109,19 @@ class PageAllocator:
         return paged_token_ids(pages, self.page_size, prefix_lens, seq_lens, last_loc)
 
     def decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
-        """One token id per request for its position ``seq_len - 1`` (``seq_lens`` on CPU)."""
-        return self.extend(seq_lens - 1, seq_lens, last_loc)
+        """One token id per request for its position ``seq_len - 1`` (``seq_lens`` on CPU, at
+        least 2; ``last_loc`` on this allocator's device): ``last_loc + 1`` inside a page, the first
+        id of a new page where the position starts one. Returns None (nothing taken) when too few
+        pages are free. The same ids as :meth:`extend` with prefix ``seq_len - 1``, in a few device
+        ops and without waiting for the device (a decode step's hot path)."""
+        starts = ((seq_lens - 1) % self.page_size == 0).nonzero().view(-1)
+        pages = self.alloc_pages(starts.numel())
+        if pages is None:
+            return None
+        ids = last_loc.to(torch.int64) + 1
+        if starts.numel():
+            ids[starts.to(ids.device, non_blocking=True)] = pages * self.page_size
+        return ids
 
 
 def paged_token_ids(

@@ -1,8 +1,8 @@
 """Decode steps with residency on: where each request's newest token goes, and pressure relief.
 
 :class:`ResidentDecode` drives :class:`~sglang_hisparse.residency.Residency` (the mechanism and the
-policy) from the coordinator's protocol calls. It owns one piece of state: the batch row of each
-request slot in the last decode step (``batch_rows``), which says where that request's last
+policy) from the coordinator's protocol calls. It owns one piece of state: the request slots of
+the last decode step in batch order (``_last_batch``), which says where a request's last
 selections are in the coordinator's resolver output when it is demoted.
 
 Ordering of a demotion (:meth:`ResidentDecode.demote`), with no host wait: the current stream is
@@ -36,7 +36,8 @@ class ResidentDecode:
         self.selections = selections
         """The coordinator's resolver output (int32 [max_reqs, top_k], rows of the last layer)."""
         self.quiesce = quiesce
-        self.batch_rows: dict[int, int] = {}
+        self._last_batch: list[int] = []
+        """The request slots of the last decode step, in batch order (their rows of ``selections``)."""
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -68,43 +69,70 @@ class ResidentDecode:
         own = self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
         return torch.where(self.residency.flags[req_pool_idx].bool(), own, rows)
 
-    def _hot_growth(self, idxs: list[int], lens: list[int]) -> int:
-        """Free rows the hot buffers among ``idxs`` take in the step at ``lens``."""
-        lengths = self.residency.lengths
-        return self.hot.step_growth(*_unzip([(i, n) for i, n in zip(idxs, lens) if i not in lengths]))
+    def _at_page_start(self, idxs, lens) -> list[tuple[int, int]]:
+        """``(slot, seq_len)`` of the requests whose newest position ``seq_len - 1`` starts a page
+        (``idxs``, ``lens``: lists or int64 CPU tensors): the only ones a one-token step takes
+        free rows for (a short hot buffer's growth and a resident request's new page both happen
+        there), usually a small share of the batch."""
+        p = self.hot.page_size
+        if isinstance(lens, torch.Tensor):
+            at = ((lens - 1) % p == 0).nonzero().view(-1)
+            return list(zip(idxs[at].tolist(), lens[at].tolist()))
+        return [(idx, n) for idx, n in zip(idxs, lens) if (n - 1) % p == 0]
+
+    def _rows_taken(self, at_page_start: list[tuple[int, int]]) -> int:
+        """Free rows the step takes for the requests of ``at_page_start`` as they are now."""
+        residency, p = self.residency, self.hot.page_size
+        return sum(p if residency.holds(idx) else self.hot.step_growth([idx], [n]) for idx, n in at_page_start)
 
     def rows_short(self, idxs: list[int], lens: list[int]) -> int:
         """Device rows the one-token step at ``lens`` lacks after every demotion that could help
-        (0: it fits). What :meth:`newest_rows` reaches by demoting when it must."""
-        rows, relief = self.residency.step_need(idxs, lens)
-        return max(0, rows + self._hot_growth(idxs, lens) - relief - self.allocator.rows.room())
+        (0: it fits). What :meth:`newest_rows` reaches by demoting when it must. No side effects."""
+        at_page_start = self._at_page_start(idxs, lens)
+        short = self._rows_taken(at_page_start) - self.allocator.rows.room()
+        if short <= 0:
+            return 0
+        return max(0, short - self.residency.relief(at_page_start))
 
-    def newest_rows(self, idxs: list[int], lens: list[int], req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor) -> torch.Tensor:
-        """Rows (int64) for each request's newest position ``seq_len - 1``, after demoting (policy)
-        until the step's new rows leave the watermark free, and then until they fit at all
-        (requests whose demotion removes a page need, :meth:`Residency.short_of_a_page`). Hot
-        buffers and resident requests take their next pages from the free rows."""
+    def _relieve(self, at_page_start: list[tuple[int, int]]) -> None:
+        """Demote (policy order) until the step's new rows leave the watermark free, then, if they
+        still do not fit, the requests whose demotion removes a page need."""
         residency, rows = self.residency, self.allocator.rows
-        while residency.count() and (rows.room() - residency.rows_needed(idxs, lens) - self._hot_growth(idxs, lens)
-                                     < residency.policy.watermark_rows):
-            if not self.demote_one():
-                break
-        for idx in residency.short_of_a_page(idxs, lens, rows.room() - self._hot_growth(idxs, lens)):
-            self.demote(idx)
-        self.batch_rows = {idx: i for i, idx in enumerate(idxs)}
-        resident, hot = [], []
-        for k, idx in enumerate(idxs):
-            (resident if idx in residency.lengths else hot).append(k)
-        if not resident:
+        while (residency.reclaimable_rows() and
+               rows.room() - self._rows_taken(at_page_start) < residency.policy.watermark_rows):
+            self.demote_one()
+        taken = self._rows_taken(at_page_start)
+        if rows.room() < taken:
+            resident_need = residency.rows_needed(at_page_start)
+            for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
+                self.demote(idx)
+
+    def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
+                    seq_lens: torch.Tensor) -> torch.Tensor:
+        """Rows (int64, on the device) for each request's newest position ``seq_len - 1``, after
+        demoting (policy) until the step's new rows leave the watermark free, and then until they
+        fit at all (requests whose demotion removes a page need, :meth:`Residency.short_of_a_page`).
+        Hot buffers and resident requests take their next pages from the free rows. ``idxs`` and
+        ``lens`` are the step's int64 CPU tensors: the host work is a few tensor ops for the whole
+        batch and Python only for requests starting a page; the rows are computed on the device."""
+        self._relieve(self._at_page_start(idxs, lens))
+        self._last_batch = idxs.tolist()
+        residency = self.residency
+        resident = residency.mask(idxs)
+        count = int(resident.sum())
+        if not count:
             return self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
-        own = residency.grow([idxs[k] for k in resident], [lens[k] for k in resident], self.req_to_token)
-        if not hot:
+        if count < idxs.numel():
+            self.hot.grow(idxs[~resident], lens[~resident])
+        at = resident.nonzero().view(-1)
+        new_page, pages = residency.grow(idxs[at], lens[at])
+        own = residency.newest_rows(self.req_to_token, req_pool_indices, seq_lens)
+        if pages is not None:
+            own[at[new_page].to(own.device, non_blocking=True)] = pages.to(own.device) * self.hot.page_size
+        if count == idxs.numel():
             return own
-        self.hot.grow([idxs[k] for k in hot], [lens[k] for k in hot])
         rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
-        rows[torch.tensor(resident, dtype=torch.int64, device=rows.device)] = own.to(rows.device)
-        return rows
+        return torch.where(residency.flags[req_pool_indices].bool(), own, rows)
 
     def reclaim(self, rows: int) -> None:
         """Demote resident requests (policy order) until ``rows`` device rows are free or none is
@@ -125,16 +153,11 @@ class ResidentDecode:
     def demote(self, idx: int) -> None:
         """Demote resident request slot ``idx`` (see the module docstring for the ordering)."""
         residency = self.residency
-        n = residency.lengths[idx]
+        n = residency.length_of(idx)
         self.quiesce()
         self.mirror.write_through([idx], [n + 1], self.rows_now)  # host complete through n - 1
-        self.mirror.order_forward_after_write_through()
-        row = self.batch_rows.get(idx)
-        selected = self.selections[row] if row is not None else None
+        self.mirror.order_after_writes()
+        selected = self.selections[self._last_batch.index(idx)] if idx in self._last_batch else None
         residency.demote(idx, self.req_to_token[idx, :n].to(torch.int64), selected)
         logger.info("sglang-hisparse: request slot %d (%d tokens) demoted to a hot buffer (%s)", idx, n,
                     self.allocator.debug_print())
-
-
-def _unzip(pairs: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    return [a for a, _ in pairs], [b for _, b in pairs]

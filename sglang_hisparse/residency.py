@@ -13,12 +13,14 @@ which pages a demoted request keeps; the mechanism only moves rows.
 
 Owned state (docs/design.md, "Ownership"): the per-request-slot resident flag ``flags`` (uint8
 [max_reqs] on the KV device, read by the resolver) and the positions each resident request has on
-the device. Counters: requests admitted resident and demotions. Promotion back to resident is not
-done: a demoted request stays a hot-buffer request.
+the device (``length``, an int64 CPU tensor [max_reqs], 0 for a slot that is not resident, so that
+a decode step updates every resident request in one tensor op). Counters: requests admitted
+resident and demotions. Promotion back to resident is not done: a demoted request stays a
+hot-buffer request.
 
 A resident request holds exactly the rows a server without HiSparse gives it, and nothing is set
 aside for it: its next page comes from the free rows (checked before each decode step, with
-demotions counted as relief: :meth:`Residency.step_need`), and demoting it never needs rows (it
+demotions counted as relief: :meth:`Residency.relief`), and demoting it never needs rows (it
 keeps at most ``padded`` of its own).
 
 Invariants, per resident request slot ``idx`` with ``n`` positions on the device:
@@ -84,60 +86,90 @@ class Residency:
         self.policy = policy
         self.page_size = allocator.page_size
         self.flags = torch.zeros(max_reqs, dtype=torch.uint8, device=device)
-        self.lengths: dict[int, int] = {}
-        """Resident request slot -> positions with a device row."""
+        self.length = torch.zeros(max_reqs, dtype=torch.int64)
+        """Per request slot, the positions a resident request has on the device (0: not resident)."""
+        self._members: set[int] = set()
+        self._reclaimable_total = 0
+        """Sum of :meth:`reclaimable` (kept up to date on every change of ``length``)."""
         self.admitted_total = 0
         self.demotions_total = 0
 
     # --- queries -----------------------------------------------------------------------------
     def holds(self, idx: int) -> bool:
-        return idx in self.lengths
+        return idx in self._members
 
     def count(self) -> int:
-        return len(self.lengths)
+        return len(self._members)
+
+    def length_of(self, idx: int) -> int:
+        """Positions resident slot ``idx`` has on the device."""
+        return int(self.length[idx])
+
+    @property
+    def lengths(self) -> dict[int, int]:
+        """Resident request slot -> positions on the device (a copy; per-request work: not for the
+        decode step's hot path, which uses :meth:`mask` and ``length``)."""
+        return {idx: int(self.length[idx]) for idx in self._members}
+
+    def mask(self, idxs: torch.Tensor) -> torch.Tensor:
+        """Which of the request slots ``idxs`` (int64 CPU tensor) are resident (bool CPU tensor)."""
+        return self.length[idxs] > 0
 
     def _rows(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
+    def _over_padded(self, n: int) -> int:
+        """Rows a resident request of ``n`` positions frees when demoted."""
+        return max(0, self._rows(n) - self.hot.padded)
+
+    def _set_length(self, idx: int, n: Optional[int]) -> None:
+        """The writer of one slot's ``length`` (None: the slot leaves), keeping the reclaimable
+        total and the members (:meth:`grow` updates many slots at once)."""
+        if idx in self._members:
+            self._reclaimable_total -= self._over_padded(int(self.length[idx]))
+        if n is None:
+            self._members.discard(idx)
+            self.length[idx] = 0
+        else:
+            assert n > 0, "a resident request has positions on the device"
+            self._members.add(idx)
+            self.length[idx] = n
+            self._reclaimable_total += self._over_padded(n)
+
     def reclaimable(self) -> dict[int, int]:
         """Per resident request slot, the device rows its demotion would free."""
-        return {idx: max(0, self._rows(n) - self.hot.padded) for idx, n in self.lengths.items()}
+        return {idx: self._over_padded(n) for idx, n in self.lengths.items()}
 
     def reclaimable_rows(self) -> int:
-        return sum(self.reclaimable().values())
+        """The rows demoting every resident request would free (no per-request work)."""
+        return self._reclaimable_total
 
-    def rows_needed(self, idxs: list[int], seq_lens: list[int]) -> int:
-        """Free rows the resident requests among ``idxs`` take when their newest position
-        ``seq_len - 1`` gets a row: a page where that position starts one."""
-        p = self.page_size
-        return sum(p for idx, seq_len in zip(idxs, seq_lens) if (seq_len - 1) % p == 0 and idx in self.lengths)
+    def rows_needed(self, at_page_start: list[tuple[int, int]]) -> int:
+        """Free rows the resident requests among ``at_page_start`` (``(slot, seq_len)`` of requests
+        whose newest position ``seq_len - 1`` starts a page) take in a one-token step: a page each."""
+        return self.page_size * sum(idx in self._members for idx, _ in at_page_start)
 
-    def _page_saved_by_demotion(self, idx: int, seq_len: int) -> int:
-        """Rows of this step's page need that demoting resident ``idx`` removes (its hot buffer
-        would hold the newest position in a slot it already has)."""
-        if (seq_len - 1) % self.page_size:
-            return 0
-        return self.page_size - self.hot.growth_after_opening(self.lengths[idx], seq_len)
+    def page_saved_by_demotion(self, idx: int, seq_len: int) -> int:
+        """Rows of this step's page need that demoting resident ``idx``, whose newest position
+        ``seq_len - 1`` starts a page, removes (its hot buffer would hold that position in a slot
+        it already has: a request holding exactly ``padded`` rows)."""
+        return self.page_size - self.hot.growth_after_opening(self.length_of(idx), seq_len)
 
-    def step_need(self, idxs: list[int], seq_lens: list[int]) -> tuple[int, int]:
-        """(rows, relief) for the one-token step at ``seq_lens``: the free rows the resident
-        requests among ``idxs`` take, and the most that demotions can make up for (rows every
-        resident request's demotion frees plus the page needs it removes). The step fits when
-        ``rows - relief`` does not exceed the free rows."""
-        rows = self.rows_needed(idxs, seq_lens)
-        relief = self.reclaimable_rows() + sum(self._page_saved_by_demotion(idx, n) for idx, n in zip(idxs, seq_lens)
-                                               if idx in self.lengths)
-        return rows, relief
+    def relief(self, at_page_start: list[tuple[int, int]]) -> int:
+        """The most that demotions can make up for in a one-token step: the rows every resident
+        request's demotion frees plus the page needs of ``at_page_start`` that demotion removes."""
+        return self._reclaimable_total + sum(self.page_saved_by_demotion(idx, n) for idx, n in at_page_start
+                                             if idx in self._members)
 
-    def short_of_a_page(self, idxs: list[int], seq_lens: list[int], room: int) -> list[int]:
-        """The resident requests among ``idxs`` to demote so that the others' new pages fit in
-        ``room`` free rows when demoting for rows left nothing to free (a request holding
-        exactly ``padded`` rows whose next position is its hot buffer's newest slot needs no
-        page once demoted); longest first."""
-        need = self.rows_needed(idxs, seq_lens)
-        saving = {idx: self._page_saved_by_demotion(idx, n) for idx, n in zip(idxs, seq_lens) if idx in self.lengths}
+    def short_of_a_page(self, at_page_start: list[tuple[int, int]], room: int) -> list[int]:
+        """The resident requests among ``at_page_start`` to demote so that the others' new pages
+        fit in ``room`` free rows when demoting for rows left nothing to free (a request holding
+        exactly ``padded`` rows whose next position is its hot buffer's newest slot needs no page
+        once demoted); longest first."""
+        need = self.rows_needed(at_page_start)
+        saving = {idx: self.page_saved_by_demotion(idx, n) for idx, n in at_page_start if idx in self._members}
         chosen = []
-        for idx in sorted((i for i, s in saving.items() if s > 0), key=lambda i: -self.lengths[i]):
+        for idx in sorted((i for i, s in saving.items() if s > 0), key=lambda i: -self.length_of(i)):
             if need <= room:
                 break
             need -= saving[idx]
@@ -167,7 +199,7 @@ class Residency:
         return rows
 
     def _enter(self, idx: int, n: int) -> None:
-        self.lengths[idx] = n
+        self._set_length(idx, n)
         self.flags[idx] = 1
         self.admitted_total += 1
 
@@ -177,26 +209,35 @@ class Residency:
         rows (``req_to_token`` is SGLang's position -> logical id table)."""
         return self.allocator.logical_to_device[req_to_token[req_pool_idx, positions].to(torch.int64)]
 
-    def grow(self, idxs: list[int], seq_lens: list[int], logical_of: torch.Tensor) -> torch.Tensor:
-        """Rows (int64, one per entry of ``idxs``, all resident, each one token longer than
-        before) for each request's newest position ``seq_len - 1``: the next row of its last page,
-        or the first row of a new page of free rows. ``logical_of`` is SGLang's req_to_token. The
-        caller made sure enough rows are free (:meth:`rows_needed`)."""
+    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Resident requests ``idxs`` (int64 CPU tensor), each one token longer than before
+        (``seq_lens``, int64 CPU), take rows for their newest position ``seq_len - 1``: the next
+        row of their last page, or a new page of free rows where the position starts one. Returns
+        the indices into ``idxs`` of those that took a page (int64 CPU) and the pages (int64, in
+        that order; None when none did). The caller made sure enough rows are free
+        (:meth:`rows_needed`) and computes the rows themselves on the device. Tensor ops on the
+        whole batch; Python work only for the requests that start a page."""
         p = self.page_size
-        new_page = [k for k, seq_len in enumerate(seq_lens) if (seq_len - 1) % p == 0]
-        pages = self.allocator.rows.pages.alloc_pages(len(new_page)) if new_page else None
-        if new_page and pages is None:
+        assert bool((self.length[idxs] + 1 == seq_lens).all()), "a resident request grows one token per step"
+        new_page = ((seq_lens - 1) % p == 0).nonzero().view(-1)
+        pages = self.allocator.rows.pages.alloc_pages(new_page.numel()) if new_page.numel() else None
+        if new_page.numel() and pages is None:
             raise HiSparsePluginError(
-                f"sglang-hisparse: no free device rows for the next page of {len(new_page)} resident request(s) "
+                f"sglang-hisparse: no free device rows for the next page of {new_page.numel()} resident request(s) "
                 f"({self.allocator.debug_print()}); the decode memory check should have retracted a request")
-        for idx, seq_len in zip(idxs, seq_lens):
-            assert seq_len == self.lengths[idx] + 1, "a resident request grows one token per step"
-            self.lengths[idx] = seq_len
-        device = logical_of.device
-        newest = self.own_rows(logical_of, torch.tensor(idxs, device=device), torch.tensor(seq_lens, device=device) - 2) + 1
-        if new_page:
-            newest[torch.tensor(new_page, device=newest.device)] = pages.to(newest.device) * p
-        return newest
+        for idx, seq_len in zip(idxs[new_page].tolist(), seq_lens[new_page].tolist()):
+            self._set_length(idx, seq_len)
+        self.length[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
+        return new_page, pages
+
+    def newest_rows(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                    seq_lens: torch.Tensor) -> torch.Tensor:
+        """Device rows (int64) of each request's newest position ``seq_len - 1`` if it stays in the
+        page of its previous position (that row + 1), computed on the device for every request of
+        the step; meaningful for resident requests only. Pages started this step come from
+        :meth:`grow`."""
+        previous = self.own_rows(req_to_token, req_pool_indices, seq_lens - 2)
+        return previous + 1
 
     # --- out of residency --------------------------------------------------------------------
     def demote(self, idx: int, logical_ids: torch.Tensor, selected_rows: Optional[torch.Tensor]) -> None:
@@ -235,11 +276,11 @@ class Residency:
     def release(self, idx: int, logical_ids: torch.Tensor) -> None:
         """A resident request leaves: its rows (mapped at ``logical_ids``) are freed,
         the mapping cleared (idempotent for a slot that is not resident)."""
-        if idx not in self.lengths:
+        if idx not in self._members:
             return
         self.allocator.free_prefill_rows(logical_ids)
         self._leave(idx)
 
     def _leave(self, idx: int) -> None:
-        del self.lengths[idx]
+        self._set_length(idx, None)
         self.flags[idx] = 0

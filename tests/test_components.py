@@ -1,10 +1,13 @@
 """The coordinator's components on CPU: start-up refusals, the idle report rule, the host pool's
-refusal of SGLang's own HiSparse helpers, and the copy lane's fences."""
+refusal of SGLang's own HiSparse helpers, the copy lane's fences, and the page allocator's decode
+fast path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
 
@@ -13,6 +16,7 @@ from sglang_hisparse.copy_lane import CopyLane
 from sglang_hisparse.coordinator import HiSparseCoordinator
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.host_pool import BLOCKED_MIXIN_MEMBERS, HiSparseHostPool
+from sglang_hisparse.paging import PageAllocator
 
 
 def test_a_hot_buffer_that_cannot_fit_the_device_pool_is_refused_at_start(gloo_world):
@@ -112,3 +116,22 @@ def test_the_refusal_rule_mirrors_sglangs_idle_admission(prompt, max_new, ignore
     assert (problem is not None) == refused
     if refused:
         assert "never has more than 8192" in problem and "device pool 8192 rows, logical ids 16384" in problem
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(2, 400), min_size=1, max_size=12), seed=st.integers(0, 2**16))
+def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
+    """``PageAllocator.decode`` (a decode step's fast path) gives each request the id ``extend``
+    would give its position ``seq_len - 1``: the next id of its page, or a new page's first id."""
+    torch.manual_seed(seed)
+    fast, generic = PageAllocator(64, 64, "cpu"), PageAllocator(64, 64, "cpu")
+    order = torch.randperm(64) + 1  # both free lists in the same shuffled order
+    fast.free_pages, generic.free_pages = order.clone(), order.clone()
+    seq = torch.tensor(lens)
+    last_loc = torch.randint(1, 64, (len(lens),)) * 64 + (seq - 2) % 64  # the previous position's id
+    assert torch.equal(fast.decode(seq, last_loc), generic.extend(seq - 1, seq, last_loc))
+    assert torch.equal(fast.free_pages, generic.free_pages)
+    full = PageAllocator(1, 64, "cpu")
+    full.alloc_pages(1)
+    starts_a_page = torch.tensor([65])
+    assert full.decode(starts_a_page, torch.tensor([127])) is None and full.available_pages() == 0

@@ -24,7 +24,7 @@ from sglang_hisparse.testing.server import abort_two_mid_decode, start_server, w
 pytestmark = pytest.mark.slow
 
 B = 128  # hot-buffer slots; the tiny model's index_topk is 64
-HISPARSE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "stats_log_interval": 16}}'
+HISPARSE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "stats_log_interval": 16, "residency": false}}'
 COMMON = [
     "--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
     "--max-running-requests", "8",
@@ -120,7 +120,7 @@ def test_the_reuse_replacement_policy_keeps_outputs_identical(tmp_path, baseline
     """replacement "reuse" (the history-only reuse table, reference resolver on CPU): the policy
     is announced, outputs are identical to the server without HiSparse, and the resolver really
     missed (rows came from host)."""
-    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse"}}'
+    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse", "residency": false}}'
     server, outputs, report = serve_once(tmp_path, config, "hisparse_reuse", max_total_tokens=32768)
     assert "replacement policy reuse (history table: attention k=256 B=512)" in server.log()
     assert outputs == baseline_outputs

@@ -21,7 +21,7 @@ def test_indexshare_model_outputs_identical(tmp_path):
     prompts = [[rng.randrange(2, 2000) for _ in range(n)] for n in (300, 900, 1600, 2400)]
     outputs, servers = {}, []
     try:
-        for name, config in (("baseline", None), ("hisparse", '{"device_buffer_size": 128}')):
+        for name, config in (("baseline", None), ("hisparse", '{"device_buffer_size": 128, "residency": false}')):
             server = start_server(model="tiny-dsa-cpu-indexshare", hisparse_config=config, extra_args=COMMON,
                                   log_dir=tmp_path, name=name, max_total_tokens=16384)
             servers.append(server)

@@ -27,7 +27,7 @@ def test_values_name_a_preset_or_a_strength():
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(BANDS))
 def test_a_preset_gives_its_miss_rate_at_b_twice_top_k(tmp_path, preset):
-    server = start_server(hisparse_config='{"device_buffer_size": 128}', extra_args=COMMON, log_dir=tmp_path,
+    server = start_server(hisparse_config='{"device_buffer_size": 128, "residency": false}', extra_args=COMMON, log_dir=tmp_path,
                           name=f"locality_{preset}", max_total_tokens=32768,
                           env={"SGLANG_HISPARSE_DUMMY_LOCALITY": preset})
     try:

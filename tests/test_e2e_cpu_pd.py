@@ -30,7 +30,7 @@ NEW_TOKENS = 40
 @pytest.fixture(scope="module")
 def decode_server(tmp_path_factory):
     server = start_server(
-        hisparse_config='{"device_buffer_size": 128}', extra_args=PD_DECODE, log_dir=tmp_path_factory.mktemp("pd"),
+        hisparse_config='{"device_buffer_size": 128, "residency": false}', extra_args=PD_DECODE, log_dir=tmp_path_factory.mktemp("pd"),
         name="pd_decode", max_total_tokens=16384,
         env={"SGLANG_TEST_RETRACT": "1", "SGLANG_HISPARSE_TRAP_UPSTREAM": "1"},
     )

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 B = 128
 POOL = 8192
 ROOM = POOL - 3 * 64  # one hot buffer: B + newest page = 3 pages
-HISPARSE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "wait_for_staging": true}}'
+HISPARSE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "wait_for_staging": true, "residency": false}}'
 COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
           "--max-running-requests", "8"]
 TRAP = {"SGLANG_HISPARSE_TRAP_UPSTREAM": "1"}

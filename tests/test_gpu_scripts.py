@@ -1,6 +1,7 @@
 """The GPU-machine helper scripts that run here too: packing a call's outputs under the device
 tool's 8-file limit (scripts/gpu/pack_outputs.py), the end-to-end script's configuration syntax
-(scripts/gpu/e2e.py) and decode throughput from server logs (scripts/gpu/decode_log.py)."""
+(scripts/gpu/e2e.py), decode throughput from server logs (scripts/gpu/decode_log.py) and the
+per-step breakdown of a decode profile (scripts/gpu/profile_summary.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
 import decode_log  # noqa: E402
 import pack_outputs  # noqa: E402
+import profile_summary  # noqa: E402
 
 
 def _outputs(tmp_path: Path) -> tuple[Path, Path, Path]:
@@ -77,7 +79,10 @@ def test_e2e_config_syntax():
     assert e2e.parse_config("ours_resident:4096:1", "arrival") == ("ours_resident", 4096, "1", "arrival")
     resident = json.loads(e2e.hisparse_config("ours_resident", 4096, 8))
     assert resident["residency"] is True and resident["residency_watermark"] == e2e.RESIDENCY_WATERMARK
-    assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
+    assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: residency on
+    assert json.loads(e2e.hisparse_config("ours_hot", 4096, 8))["residency"] is False
+    for variant in ("ours_noio", "ours_reuse", "ours_map", "ours_noprefetch"):  # hot-buffer A/B points
+        assert json.loads(e2e.hisparse_config(variant, 4096, 8))["residency"] is False, variant
     assert json.loads(e2e.hisparse_config("ours_reuse", 4096, 8))["replacement"] == "reuse"
     assert "replacement" not in json.loads(e2e.hisparse_config("ours", 4096, 8))
     assert json.loads(e2e.hisparse_config("ours_map", 4096, 8))["slot_map"] is True
@@ -243,7 +248,7 @@ def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     assert grouped[("m", "bfloat16")][("ours", "realistic")][0]["repeats"] == 3
     assert len(perf["layer_timing"]) == 4 and perf["layer_timing"][0]["run"] == "gpu_runA"
     assert sweep.parse_points("ours_noio:realistic,none") == [("ours_noio", "realistic"), ("none", "none")]
-    with pytest.raises(ValueError, match="none, upstream, ours, ours_noio"):
+    with pytest.raises(ValueError, match="none, upstream, ours, ours_hot, ours_noio"):
         sweep.parse_points("mine:realistic")
     with pytest.raises(ValueError, match="allowed values are none, medium, realistic"):
         sweep.parse_points("ours:high")
@@ -304,3 +309,50 @@ def test_slot_hash_probe_builds_and_refuses_bad_options(tmp_path):
     assert bad.returncode == 2 and "allowed: --B --k --reps --threads --hit" in bad.stderr
     too_big = subprocess.run([str(binary), "--k", "8192", "--B", "4096"], capture_output=True, text=True, timeout=30)
     assert too_big.returncode == 2 and "k <= B <= 32767" in too_big.stderr
+
+
+def _trace_event(name: str, cat: str, ts: float, dur: float, tid: int = 1, corr: int | None = None) -> dict:
+    event = {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "tid": tid}
+    if corr is not None:
+        event["args"] = {"correlation": corr}
+    return event
+
+
+def synthetic_decode_trace(iterations: int = 5, step_us: float = 1000.0) -> list[dict]:
+    """A scheduler loop of ``iterations`` steps: each runs run_batch (one graph replay of 300 us on
+    the device, starting 50 us after its launch), then our map_last_loc_to_buffer (200 us, with a
+    nested write_through of 80 us that launches one kernel of 5 us and synchronizes once for 7 us)."""
+    events = [_trace_event("sglang/srt/managers/scheduler.py(1): event_loop_overlap", "python_function", 0,
+                           iterations * step_us + 10)]
+    for i in range(iterations):
+        t = 1 + i * step_us
+        events.append(_trace_event("sglang/srt/managers/scheduler.py(2): run_batch", "python_function", t, 100))
+        events.append(_trace_event("cudaGraphLaunch", "cuda_runtime", t + 10, 5, corr=1000 + i))
+        events.append(_trace_event("decode_graph_kernel", "kernel", t + 60, 300, tid=7, corr=1000 + i))
+        ours = t + 200
+        events.append(_trace_event("/tmp/site/sglang_hisparse/coordinator.py(9): map_last_loc_to_buffer",
+                                   "python_function", ours, 200))
+        events.append(_trace_event("/tmp/site/sglang_hisparse/host_mirror.py(5): write_through", "python_function",
+                                   ours + 10, 80))
+        events.append(_trace_event("cudaLaunchKernel", "cuda_runtime", ours + 20, 4, corr=2000 + i))
+        events.append(_trace_event("index_kernel", "kernel", ours + 30, 5, tid=7, corr=2000 + i))
+        events.append(_trace_event("cudaStreamSynchronize", "cuda_runtime", ours + 40, 7))
+        events.append(_trace_event("sglang/srt/managers/scheduler.py(3): get_next_batch_to_run", "python_function",
+                                   t + 500, 150))
+    return events
+
+
+def test_the_profile_summary_splits_a_step_into_ours_sglangs_and_the_devices():
+    summary = profile_summary.summarize(synthetic_decode_trace(), skip=1)
+    assert summary["iterations"] == 3  # 5 run_batch starts, the first skipped, the last only closes one
+    assert summary["wall_us"] == 1000.0 and summary["ours_us"] == 200.0
+    assert summary["ours_by_function"] == {"coordinator.map_last_loc_to_buffer": 200.0}
+    assert summary["ours_detail"] == {"coordinator.map_last_loc_to_buffer": 200.0, "host_mirror.write_through": 80.0}
+    assert (summary["launches"], summary["ours_launches"], summary["graph_launches"]) == (1, 1, 1)
+    assert (summary["syncs"], summary["ours_syncs"], summary["sync_us"]) == (1, 1, 7.0)
+    assert summary["gpu_busy_us"] == 305.0 and summary["gpu_outside_graph_us"] == 5.0
+    assert summary["outside_graph_kernels"] == {"index_kernel": 5.0}
+    assert summary["replay_us"] == 300.0 and summary["gpu_gap_us"] == 700.0
+    assert summary["sglang_by_function"] == {"run_batch": 100.0, "map_last_loc_to_buffer": 200.0, "get_next_batch_to_run": 150.0}
+    with pytest.raises(ValueError, match="run_batch calls"):
+        profile_summary.summarize(synthetic_decode_trace(iterations=2), skip=1)

@@ -109,11 +109,14 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
-OURS = ("ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse", "ours_map")
-"""Our implementations: the plugin, its no-IO oracle, the plugin with residency on, the plugin
-with IndexShare prefetch off (every layer resolves; A/B on IndexShare models), the plugin with
-the reuse-table replacement policy instead of LRU, the plugin planning with the position -> slot
-map."""
+OURS = ("ours", "ours_hot", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse", "ours_map")
+"""Our implementations: the plugin with its defaults (residency on), the plugin with hot buffers
+only (residency off), the no-IO oracle of the hot buffers, the plugin with residency set
+explicitly, and three A/B variants of the hot-buffer path (residency off, so that every request
+resolves through the kernel): IndexShare prefetch off (every layer resolves), the reuse-table
+replacement policy instead of LRU, planning with the position -> slot map."""
+HOT_BUFFER_VARIANTS = {"ours_noprefetch": {"indexshare_prefetch": False}, "ours_reuse": {"replacement": "reuse"},
+                       "ours_map": {"slot_map": True}}
 RESIDENCY_WATERMARK = 0.05
 
 
@@ -125,16 +128,14 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
         config = {"device_buffer_size": buffer, "host_to_device_ratio": ratio, "stats_log_interval": stats_interval}
         if wait_for_staging:
             config["wait_for_staging"] = True
-        if impl == "ours_noio":  # the no-IO oracle: everything as ours but no host->device copy
-            config["skip_io"] = True
+        if impl == "ours_hot":  # every decoding request in a hot buffer (residency off)
+            config["residency"] = False
+        if impl == "ours_noio":  # the no-IO oracle of ours_hot: the same planning, no host->device copy
+            config.update(skip_io=True, residency=False)
         if impl == "ours_resident":  # pressure-driven residency (docs/design.md, "Residency")
             config.update(residency=True, residency_watermark=RESIDENCY_WATERMARK)
-        if impl == "ours_noprefetch":
-            config["indexshare_prefetch"] = False
-        if impl == "ours_reuse":
-            config["replacement"] = "reuse"
-        if impl == "ours_map":
-            config["slot_map"] = True
+        if impl in HOT_BUFFER_VARIANTS:
+            config.update(residency=False, **HOT_BUFFER_VARIANTS[impl])
         return json.dumps(config)
     if impl == "upstream":
         return json.dumps({"top_k": TOP_K, "device_buffer_size": buffer, "host_to_device_ratio": ratio})

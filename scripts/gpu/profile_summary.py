@@ -13,7 +13,13 @@ iteration's wall time is the step time whenever the host is the bottleneck). Per
 * ``syncs``: host waits on the device (stream, event, device synchronize, blocking copies), with the
   ones issued inside our functions counted apart (``ours_syncs``);
 * ``gpu_busy_us`` / ``gpu_outside_graph_us``: device time of kernels and copies launched in the
-  iteration, and of those not replayed from a graph, with the top names (``outside_graph_kernels``).
+  iteration, and of those not replayed from a graph, with the top names (``outside_graph_kernels``);
+* ``replay_us`` / ``gpu_gap_us``: the span of one decode graph replay on the device, and the idle
+  time from the end of one replay to the start of the next (a gap near the step time minus the
+  replay means the device waits for the host);
+* ``sglang_by_function``: host time of the scheduler loop's direct callees (what SGLang itself
+  does per iteration), and ``ours_detail``: inclusive host time of every function of this plugin
+  (nested ones too), both as means per iteration.
 
 Python-level tracing slows the host code it traces, so ``ours_us`` is an upper bound; the step times
 to compare implementations come from runs without the profiler (scripts/gpu/sweep.py).
@@ -36,6 +42,8 @@ from typing import Iterable
 
 OURS = re.compile(r"(^|/)sglang_hisparse/")
 RUN_BATCH = re.compile(r"scheduler\.py\(\d+\): run_batch$")
+EVENT_LOOP = re.compile(r"scheduler\.py\(\d+\): event_loop_\w+$")
+TRANSPARENT = re.compile(r": (wrapper|inner|decorate_context|_fn)$")
 LAUNCH = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|cudaLaunchCooperativeKernel)")
 GRAPH_LAUNCH = re.compile(r"^(cudaGraphLaunch|cuGraphLaunch)")
 SYNC = re.compile(r"^(cudaStreamSynchronize|cudaEventSynchronize|cudaDeviceSynchronize|cudaMemcpy$|cudaMemcpy2D$"
@@ -133,9 +141,62 @@ def summarize(events: Iterable[dict], skip: int = 1) -> dict:
     n = len(rows)
     summary = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     summary["iterations"] = n
-    summary["ours_by_function"] = {k: round(v / n, 1) for k, v in sorted(by_function.items(), key=lambda kv: -kv[1])[:12]}
-    summary["outside_graph_kernels"] = {k: round(v / n, 1) for k, v in sorted(outside_names.items(), key=lambda kv: -kv[1])[:12]}
+    summary.update(_replays(device, graph_ids, launch_ts, starts[skip], starts[-1]))
+    summary["ours_by_function"] = _top(by_function, n)
+    summary["ours_detail"] = _top(_inclusive(py, thread, starts[skip], starts[-1], OURS), n, 16)
+    summary["sglang_by_function"] = _top(_loop_callees(py, thread, starts[skip], starts[-1]), n)
+    summary["outside_graph_kernels"] = _top(outside_names, n)
     return summary
+
+
+def _top(totals: dict[str, float], n: int, count: int = 12) -> dict[str, float]:
+    return {k: round(v / n, 1) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:count]}
+
+
+def _inclusive(py: list[dict], thread, lo: float, hi: float, pattern: re.Pattern) -> dict[str, float]:
+    """Inclusive time per function name of the Python events matching ``pattern`` in [lo, hi)."""
+    totals: dict[str, float] = defaultdict(float)
+    for e in py:
+        if e["tid"] == thread and pattern.search(e["name"]) and lo <= float(e["ts"]) < hi:
+            totals[_function(e["name"])] += float(e["dur"])
+    return totals
+
+
+def _loop_callees(py: list[dict], thread, lo: float, hi: float) -> dict[str, float]:
+    """Time of the scheduler loop's direct callees in [lo, hi), per callee (empty when the trace
+    has no event-loop frame)."""
+    events = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in py if e["tid"] == thread),
+                    key=lambda t: (t[0], -t[1]))
+    loops = [ev for ev in events if EVENT_LOOP.search(ev[2])]
+    if not loops:
+        return {}
+    loop_start, loop_end, _ = loops[0]
+    totals: dict[str, float] = defaultdict(float)
+    covered = -1.0
+    for start, end, name in events:
+        if not loop_start < start < loop_end or start < covered or name == loops[0][2]:
+            continue
+        if TRANSPARENT.search(name):
+            continue  # a decorator's frame: its callee is the function that counts
+        covered = end  # the first event after the last callee ends is the next direct callee
+        if lo <= start < hi:
+            totals[name.split(": ")[-1]] += end - start
+    return totals
+
+
+def _replays(device: list[dict], graph_ids: set[int], launch_ts: dict[int, float], lo: float, hi: float) -> dict:
+    """Median span of a graph replay on the device and median idle gap between consecutive replays."""
+    spans: dict[int, list[float]] = {}
+    for e in device:
+        corr = e.get("args", {}).get("correlation")
+        if corr in graph_ids and lo <= launch_ts[corr] < hi:
+            start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            span = spans.setdefault(corr, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    ordered = sorted(spans.values())
+    gaps = [b[0] - a[1] for a, b in zip(ordered, ordered[1:])]
+    return {"replay_us": statistics.median(e - s for s, e in ordered) if ordered else 0.0,
+            "gpu_gap_us": statistics.median(gaps) if gaps else 0.0}
 
 
 def main() -> int:

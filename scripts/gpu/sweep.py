@@ -37,8 +37,7 @@ from profile_summary import load_events, summarize as summarize_profile  # noqa:
 from sglang_hisparse.testing.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
 from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
 
-IMPLS = ("none", "upstream", "ours", "ours_noio", "ours_resident", "ours_noprefetch", "ours_reuse", "ours_map")
-START_MARGIN_S = 150  # a server start plus one level must fit in what is left of the budget
+IMPLS = ("none", "upstream", *e2e.OURS)
 
 
 def parse_points(text: str) -> list[tuple[str, str]]:
@@ -182,7 +181,7 @@ def sweep(args) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
     for impl, locality in parse_points(args.points):
-        if left() < START_MARGIN_S:
+        if left() < args.start_margin_s:
             result["skipped"].append(f"{impl}:{locality} (time budget)")
             continue
         os.environ[LOCALITY_ENV] = locality
@@ -234,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/testing/models")
     p.add_argument("--points", default="none:realistic,upstream:realistic,ours:realistic,ours_noio:realistic",
-                   help="impl:locality,... (impl: none, upstream, ours, ours_noio, ours_resident, ours_noprefetch, ours_reuse, ours_map; locality: a preset or a strength)")
+                   help=f"impl:locality,... (impl: {', '.join(IMPLS)}; locality: a preset or a strength)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(e2e.KV_DTYPES),
                    help="KV cache dtype of every server; fp8_e4m3 (656-byte rows) runs FlashMLA KV")
     p.add_argument("--spec-steps", type=int, default=0,
@@ -258,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-new-tokens", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--level-margin-s", type=float, default=45, help="a run starts only with this much budget left")
+    p.add_argument("--start-margin-s", type=float, default=150,
+                   help="a server starts only with this much budget left (a start plus one level must fit)")
     p.add_argument("--out", required=True)
     return p
 
