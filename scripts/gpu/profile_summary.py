@@ -18,8 +18,9 @@ iteration's wall time is the step time whenever the host is the bottleneck). Per
   time from the end of one replay to the start of the next (a gap near the step time minus the
   replay means the device waits for the host);
 * ``sglang_by_function``: host time of the scheduler loop's direct callees (what SGLang itself
-  does per iteration), and ``ours_detail``: inclusive host time of every function of this plugin
-  (nested ones too), both as means per iteration.
+  does per iteration), ``ours_detail``: inclusive host time of every function of this plugin
+  (nested ones too), and ``tree``: inclusive host time per call path below the loop (depth 4,
+  paths of at least 20 us per iteration; decorator frames skipped), all as means per iteration.
 
 Python-level tracing slows the host code it traces, so ``ours_us`` is an upper bound; the step times
 to compare implementations come from runs without the profiler (scripts/gpu/sweep.py).
@@ -145,6 +146,7 @@ def summarize(events: Iterable[dict], skip: int = 1) -> dict:
     summary["ours_by_function"] = _top(by_function, n)
     summary["ours_detail"] = _top(_inclusive(py, thread, starts[skip], starts[-1], OURS), n, 16)
     summary["sglang_by_function"] = _top(_loop_callees(py, thread, starts[skip], starts[-1]), n)
+    summary["tree"] = {k: v for k, v in _top(_call_tree(py, thread, starts[skip], starts[-1]), n, 60).items() if v >= 20}
     summary["outside_graph_kernels"] = _top(outside_names, n)
     return summary
 
@@ -181,6 +183,31 @@ def _loop_callees(py: list[dict], thread, lo: float, hi: float) -> dict[str, flo
         covered = end  # the first event after the last callee ends is the next direct callee
         if lo <= start < hi:
             totals[name.split(": ")[-1]] += end - start
+    return totals
+
+
+def _call_tree(py: list[dict], thread, lo: float, hi: float, depth: int = 4) -> dict[str, float]:
+    """Inclusive time per call path (``a/b/c``) of the Python events below the scheduler loop
+    that start in [lo, hi), to ``depth`` levels (empty when the trace has no event-loop frame)."""
+    events = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]) for e in py if e["tid"] == thread),
+                    key=lambda t: (t[0], -t[1]))
+    totals: dict[str, float] = defaultdict(float)
+    stack: list[tuple[float, str]] = []  # (end, path) of the open frames below the loop
+    inside = None
+    for start, end, name in events:
+        if EVENT_LOOP.search(name):
+            inside, stack = end, []
+            continue
+        if inside is None or start >= inside:
+            continue
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if TRANSPARENT.search(name):
+            continue
+        path = (stack[-1][1] + "/" if stack else "") + name.split(": ")[-1]
+        stack.append((end, path))
+        if path.count("/") < depth and lo <= start < hi:
+            totals[path] += end - start
     return totals
 
 

@@ -165,6 +165,7 @@ def sweep(args) -> dict:
     levels = [int(c) for c in args.concurrency.split(",")]
     layers = layer_count(args.model)
     profile_levels = {int(c) for c in args.profile_levels.split(",") if c}
+    profile_impls = set(args.profile_impls.split(",")) if args.profile_impls else set(IMPLS)
     result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
                     "speculative": e2e.speculative_label(args.spec_steps),
                     "context": f"{args.buffer // 8}-{3 * args.buffer // 8}" if args.no_pressure else args.context,
@@ -190,7 +191,8 @@ def sweep(args) -> dict:
             server = e2e.launch(impl, buffer=args.buffer, ratio=args.ratio, graph=True,
                                 max_total_tokens=args.max_total_tokens, max_running=max(levels) + 1,
                                 log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}_{args.kv_dtype}", model=args.model,
-                                more_flags=("--enable-metrics", *spec_server_flags(args.spec_steps)),
+                                more_flags=("--enable-metrics", *spec_server_flags(args.spec_steps),
+                                            "--decode-log-interval", str(args.decode_log_interval)),
                                 kv_dtype=args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed to start: {repr(e)[-1500:]}")
@@ -212,7 +214,7 @@ def sweep(args) -> dict:
                 if runs:
                     result["rows"].append(summarize(impl, locality, c, runs, args.kv_dtype))
                     print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
-                if runs and c in profile_levels and left() >= args.level_margin_s:
+                if runs and c in profile_levels and impl in profile_impls and left() >= args.level_margin_s:
                     try:
                         profile = profile_level(server, args, impl, c, result["rows"][-1]["held"],
                                                 Path(args.profile_dir) / f"{impl}_{locality}_c{c}")
@@ -244,9 +246,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pressure", action="store_true",
                    help="the no-pressure point: prompts uniform in [B/8, 3B/8] instead of --context (shorter than B "
                         "with their new tokens; 128 of them fit the default pool)")
+    p.add_argument("--decode-log-interval", type=int, default=1,
+                   help="SGLang's decode log interval on every server (the decode numbers come from these lines; "
+                        "1 logs every step, which costs host time per step: use 40, SGLang's default, where the "
+                        "step is host-bound)")
     p.add_argument("--profile-levels", default="",
                    help="concurrency levels to profile after measuring them (one more run, SGLang's torch profiler)")
     p.add_argument("--profile-steps", type=int, default=24)
+    p.add_argument("--profile-impls", default="", help="profile only these impls (default: every point's)")
     p.add_argument("--profile-dir", default="/tmp/profiles")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)

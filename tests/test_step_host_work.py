@@ -1,0 +1,39 @@
+"""A decode step's host work (our part of it) must not grow with the context length or the layer
+count, and only a little with the batch: scripts/bench_step_host.py timed here with generous
+bounds (a regression that makes it proportional to context or layers is tens of times over them;
+the numbers themselves are in docs/performance.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench_step_host  # noqa: E402
+
+
+@pytest.mark.parametrize("residency", [True, False])
+def test_host_work_does_not_grow_with_context_or_layers(gloo_world, residency):
+    def us(**kw) -> float:
+        return bench_step_host.step_host_us(gloo_world, residency=residency, steps=48, **kw)
+
+    us(batch=16, context=1024, layers=2)  # warm-up: first calls of each torch op
+    base = us(batch=16, context=1024, layers=2)
+    long = us(batch=16, context=65536, layers=2)
+    deep = us(batch=16, context=1024, layers=16)
+    assert long < 2 * base + 200, (base, long)
+    assert deep < 2 * base + 200, (base, deep)
+
+
+@pytest.mark.parametrize("residency", [True, False])
+def test_host_work_per_request_is_small(gloo_world, residency):
+    def us(batch: int) -> float:
+        return bench_step_host.step_host_us(gloo_world, batch=batch, context=1024, layers=2, residency=residency,
+                                            steps=48)
+
+    us(1)
+    one, many = us(1), us(256)
+    assert many < 3 * one + 256 * 4, (one, many)  # at most a few microseconds per request
