@@ -227,26 +227,23 @@ class HiSparseCoordinator:
     # --- decode steps ------------------------------------------------------------------------
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` count the new token): write the previous tokens
-        through to host (at once where the step overwrites their rows, a page at a time where the
-        rows stay put: :meth:`HostMirror.write_through`), grow short buffers and resident requests,
-        and map the new token's logical id to its row."""
+        through to host where they are due (at once where the step overwrites their rows, a page at
+        a time where the rows stay put: :meth:`HostMirror.write_through_step`), grow short buffers
+        and resident requests, and map the new token's logical id to its row. The host work is a
+        few tensor ops for the whole batch, plus Python only for requests starting a page."""
         if self.config.query_rows > 1:
             raise HiSparsePluginError("sglang-hisparse: a one-token decode step on a server whose decode steps "
                                       f"verify {self.config.query_rows} tokens (begin_verify_step maps those)")
         idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
         self.stats.note_decode_step(int(lens.numel()))
-        self.mirror.write_through(idxs, lens, self.device_rows_now, stable=self._rows_stay_put(idxs, lens))
-        newest = self.hot if self._resident_decode is None else self._resident_decode
-        self.allocator.map_logical(out_cache_loc, newest.newest_rows(idxs, lens, req_pool_indices, seq_lens))
-
-    def _rows_stay_put(self, idxs: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """Per request of a one-token step at ``lens`` (int64 CPU tensors; bool CPU tensor out):
-        whether the rows of its positions before ``L - 1`` stay where they are through the step (a
-        resident request's own rows; a hot buffer on the fast path, whose previous token sits in
-        slot ``L - 2 < B``). False where the step overwrites the previous token's row (a long hot
-        buffer's newest slot B)."""
-        stay = lens - 2 < self.hot.buffer_size
-        return stay if self.residency is None else stay | self.residency.mask(idxs)
+        resident = self.residency.mask(idxs) if self.residency is not None else None
+        self.mirror.write_through_step(idxs, lens, self.device_rows_now, resident=resident,
+                                       buffer_size=self.hot.buffer_size)
+        if resident is None:
+            rows = self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
+        else:
+            rows = self._resident_decode.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, resident)
+        self.allocator.map_logical(out_cache_loc, rows)
 
     def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
         """Device rows the next decode step of these requests lacks (0: it fits), after every

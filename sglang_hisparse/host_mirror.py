@@ -61,6 +61,9 @@ class HostMirror:
         """int64 [max_reqs] (CPU): positions of each request that have a host row (whole pages)."""
         self.mirrored_len = torch.zeros(max_reqs, dtype=torch.int64)
         """int64 [max_reqs] (CPU): positions of each request whose copy to host was submitted."""
+        self.flush_at = torch.zeros(max_reqs, dtype=torch.int64)
+        """int64 [max_reqs] (CPU): the position count (``seq_len - 1``) at which each decoding
+        request's pending positions are next due (:meth:`write_through_step`)."""
         self.producer_stream: Optional[Any] = None
         self._staging_lane = CopyLane(device)
         self._write_lane = CopyLane(device)
@@ -84,6 +87,7 @@ class HostMirror:
             reads=(device_rows, host_rows),
         )
         self.mirrored_len[idx] = n
+        self.flush_at[idx] = n + 1
         self._staged.append(_Staged(req, fence))
 
     def staged_count(self) -> int:
@@ -120,6 +124,7 @@ class HostMirror:
     def mark_complete(self, req_pool_idx: int, n_tokens: int) -> None:
         """The KV of positions ``0..n-1`` reached host rows by other means (PD transfer)."""
         self.mirrored_len[req_pool_idx] = n_tokens
+        self.flush_at[req_pool_idx] = n_tokens + 1
 
     # --- write-through -----------------------------------------------------------------------
     def write_through(
@@ -127,37 +132,63 @@ class HostMirror:
         req_pool_idxs: Sequence[int] | torch.Tensor,
         seq_lens: Sequence[int] | torch.Tensor,
         device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        stable: Optional[torch.Tensor] = None,
     ) -> None:
-        """Submit the copy of decoded positions not yet mirrored (see the invariant).
-
-        ``device_rows_of(req_pool_idx, position)`` (int64 device tensors) gives the device row
-        holding each position now. ``stable`` (bool CPU tensor, one flag per request, default all
-        false): the request's pending positions sit in rows no later step overwrites, so they are
-        copied only once a page's worth is pending and the forward is not ordered after them; the
-        others are copied now and the next forward waits for that copy
-        (:meth:`order_forward_after_write_through`). ``req_pool_idxs`` and ``seq_lens``: lists or
-        int64 CPU tensors. The host work is a few tensor ops for the whole batch (a decode step's
-        hot path) plus Python for requests whose host rows grow. Side effects: host rows for the
-        copied positions; at most one copy on the write-through lane, after the current and
-        producer streams.
-        """
+        """Copy every pending position of these requests now (see the invariant), and order the
+        next forward after the copy (:meth:`order_forward_after_write_through`): before a demotion
+        or a retraction, and each verify step. ``device_rows_of(req_pool_idx, position)`` (int64
+        device tensors) gives the device row holding each position now."""
         idx = torch.as_tensor(req_pool_idxs, dtype=torch.int64)
         end = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
+        self._copy(idx, end, device_rows_of, urgent=True)
+        self.flush_at[idx] = end + 1
+
+    def write_through_step(
+        self,
+        req_pool_idxs: torch.Tensor,
+        seq_lens: torch.Tensor,
+        device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        resident: Optional[torch.Tensor],
+        buffer_size: int,
+    ) -> None:
+        """The write-through of a one-token decode step at ``seq_lens`` (int64 CPU tensors).
+
+        A request is *due* when its pending positions must be copied at this step: its previous
+        token sits in a hot buffer's newest slot, which this step's token takes (every step of a
+        long hot buffer), or a page of them is pending in rows that stay put (a resident request,
+        ``resident``: bool CPU mask or None; a hot buffer still on the fast path, whose previous
+        token is in slot ``L - 2 < buffer_size``). Due requests are tracked in ``flush_at`` (the
+        position count at which each is next due), so a step where none is due costs three tensor
+        ops. The forward is ordered after the copy only when it includes a newest slot.
+        Side effects: host rows for the copied positions; at most one copy on the write-through
+        lane, after the current and producer streams.
+        """
+        end = seq_lens - 1
+        due = end >= self.flush_at[req_pool_idxs]
+        if not bool(due.any()):
+            return
+        at = due.nonzero().view(-1)
+        idx, end = req_pool_idxs[at], end[at]
+        stays = torch.zeros_like(idx, dtype=torch.bool) if resident is None else resident[at]
+        self._copy(idx, end, device_rows_of, urgent=bool(((end - 1 >= buffer_size) & ~stays).any()))
+        page = self.pool.page_size
+        hot_next = torch.minimum(end + page, torch.clamp(end + 1, min=buffer_size + 1))
+        self.flush_at[idx] = torch.where(stays, end + page, hot_next)
+
+    def _copy(self, idx: torch.Tensor, end: torch.Tensor, device_rows_of, *, urgent: bool) -> None:
+        """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64 CPU
+        tensors; requests with nothing pending are skipped) and advance ``mirrored_len``."""
         start = self.mirrored_len[idx]
         pending = end - start
         take = pending > 0
-        if stable is not None:
-            take &= ~stable | (pending >= self.pool.page_size)
         if not bool(take.any()):
             return
-        urgent = stable is None or bool((take & ~stable).any())
         idx, start, end, pending = idx[take], start[take], end[take], pending[take]
         grows = (end > self.rows_allocated[idx]).nonzero().view(-1)
         for i, e in zip(idx[grows].tolist(), end[grows].tolist()):
             self.pool.grow_request_rows(self.row_table, self.rows_allocated, i, e)
         self.mirrored_len[idx] = end
-        if bool((pending == 1).all()):  # the steady state: each request's previous token
+        if bool((pending == 1).all()):  # each request's previous token
             reqs, positions = idx, start
         else:
             reqs = idx.repeat_interleave(pending)

@@ -36,8 +36,8 @@ class ResidentDecode:
         self.selections = selections
         """The coordinator's resolver output (int32 [max_reqs, top_k], rows of the last layer)."""
         self.quiesce = quiesce
-        self._last_batch: list[int] = []
-        """The request slots of the last decode step, in batch order (their rows of ``selections``)."""
+        self._last_batch = torch.zeros(0, dtype=torch.int64)
+        """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -94,10 +94,11 @@ class ResidentDecode:
             return 0
         return max(0, short - self.residency.relief(at_page_start))
 
-    def _relieve(self, at_page_start: list[tuple[int, int]]) -> None:
+    def _relieve(self, at_page_start: list[tuple[int, int]]) -> bool:
         """Demote (policy order) until the step's new rows leave the watermark free, then, if they
-        still do not fit, the requests whose demotion removes a page need."""
+        still do not fit, the requests whose demotion removes a page need. True when it demoted."""
         residency, rows = self.residency, self.allocator.rows
+        demotions = residency.demotions_total
         while (residency.reclaimable_rows() and
                rows.room() - self._rows_taken(at_page_start) < residency.policy.watermark_rows):
             self.demote_one()
@@ -106,33 +107,42 @@ class ResidentDecode:
             resident_need = residency.rows_needed(at_page_start)
             for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
                 self.demote(idx)
+        return residency.demotions_total != demotions
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor) -> torch.Tensor:
-        """Rows (int64, on the device) for each request's newest position ``seq_len - 1``, after
-        demoting (policy) until the step's new rows leave the watermark free, and then until they
-        fit at all (requests whose demotion removes a page need, :meth:`Residency.short_of_a_page`).
-        Hot buffers and resident requests take their next pages from the free rows. ``idxs`` and
-        ``lens`` are the step's int64 CPU tensors: the host work is a few tensor ops for the whole
-        batch and Python only for requests starting a page; the rows are computed on the device."""
-        self._relieve(self._at_page_start(idxs, lens))
-        self._last_batch = idxs.tolist()
-        residency = self.residency
-        resident = residency.mask(idxs)
+                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+        """Rows (int64, on the device) for each request's newest position ``seq_len - 1``.
+
+        ``idxs``, ``lens`` and ``resident`` (:meth:`Residency.mask`) are the step's CPU tensors;
+        ``out_cache_loc`` the new tokens' logical ids. A step takes free rows only where a newest
+        position starts a page, so only then does it demote (policy) until the new rows leave the
+        watermark free, and then until they fit at all (requests whose demotion removes a page
+        need, :meth:`Residency.short_of_a_page`); the masks are recomputed after a demotion. A
+        resident request's row is the next one of its previous token's page (``logical_to_device
+        [out_cache_loc - 1] + 1``: logical ids, like rows, run on within a page) or a new page's
+        first; a hot buffer's is its slot's. Host work: a few tensor ops for the whole batch and
+        Python only for requests starting a page."""
+        page_start = (lens - 1) % self.hot.page_size == 0
+        if bool(page_start.any()):
+            at = page_start.nonzero().view(-1)
+            if self._relieve(list(zip(idxs[at].tolist(), lens[at].tolist()))):
+                resident = self.residency.mask(idxs)
+        self._last_batch = idxs
         count = int(resident.sum())
         if not count:
             return self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         if count < idxs.numel():
             self.hot.grow(idxs[~resident], lens[~resident])
-        at = resident.nonzero().view(-1)
-        new_page, pages = residency.grow(idxs[at], lens[at])
-        own = residency.newest_rows(self.req_to_token, req_pool_indices, seq_lens)
+        at = resident.nonzero().view(-1) if count < idxs.numel() else None
+        new_page, pages = self.residency.grow(idxs if at is None else idxs[at], lens if at is None else lens[at])
+        own = self.allocator.logical_to_device[out_cache_loc - 1] + 1
         if pages is not None:
-            own[at[new_page].to(own.device, non_blocking=True)] = pages.to(own.device) * self.hot.page_size
-        if count == idxs.numel():
+            where = new_page if at is None else at[new_page]
+            own[where.to(own.device, non_blocking=True)] = pages.to(own.device) * self.hot.page_size
+        if at is None:
             return own
         rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
-        return torch.where(residency.flags[req_pool_indices].bool(), own, rows)
+        return torch.where(self.residency.flags[req_pool_indices].bool(), own, rows)
 
     def reclaim(self, rows: int) -> None:
         """Demote resident requests (policy order) until ``rows`` device rows are free or none is
@@ -157,7 +167,8 @@ class ResidentDecode:
         self.quiesce()
         self.mirror.write_through([idx], [n + 1], self.rows_now)  # host complete through n - 1
         self.mirror.order_after_writes()
-        selected = self.selections[self._last_batch.index(idx)] if idx in self._last_batch else None
+        row = (self._last_batch == idx).nonzero().view(-1)
+        selected = self.selections[int(row[0])] if row.numel() else None
         residency.demote(idx, self.req_to_token[idx, :n].to(torch.int64), selected)
         logger.info("sglang-hisparse: request slot %d (%d tokens) demoted to a hot buffer (%s)", idx, n,
                     self.allocator.debug_print())

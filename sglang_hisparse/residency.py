@@ -218,26 +218,20 @@ class Residency:
         (:meth:`rows_needed`) and computes the rows themselves on the device. Tensor ops on the
         whole batch; Python work only for the requests that start a page."""
         p = self.page_size
-        assert bool((self.length[idxs] + 1 == seq_lens).all()), "a resident request grows one token per step"
         new_page = ((seq_lens - 1) % p == 0).nonzero().view(-1)
-        pages = self.allocator.rows.pages.alloc_pages(new_page.numel()) if new_page.numel() else None
-        if new_page.numel() and pages is None:
-            raise HiSparsePluginError(
-                f"sglang-hisparse: no free device rows for the next page of {new_page.numel()} resident request(s) "
-                f"({self.allocator.debug_print()}); the decode memory check should have retracted a request")
-        for idx, seq_len in zip(idxs[new_page].tolist(), seq_lens[new_page].tolist()):
-            self._set_length(idx, seq_len)
+        pages = None
+        if new_page.numel():
+            pages = self.allocator.rows.pages.alloc_pages(new_page.numel())
+            if pages is None:
+                raise HiSparsePluginError(
+                    f"sglang-hisparse: no free device rows for the next page of {new_page.numel()} resident "
+                    f"request(s) ({self.allocator.debug_print()}); the decode memory check should have retracted "
+                    "a request")
+            for idx, seq_len in zip(idxs[new_page].tolist(), seq_lens[new_page].tolist()):
+                assert seq_len == self.length_of(idx) + 1, "a resident request grows one token per step"
+                self._set_length(idx, seq_len)
         self.length[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
         return new_page, pages
-
-    def newest_rows(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor) -> torch.Tensor:
-        """Device rows (int64) of each request's newest position ``seq_len - 1`` if it stays in the
-        page of its previous position (that row + 1), computed on the device for every request of
-        the step; meaningful for resident requests only. Pages started this step come from
-        :meth:`grow`."""
-        previous = self.own_rows(req_to_token, req_pool_indices, seq_lens - 2)
-        return previous + 1
 
     # --- out of residency --------------------------------------------------------------------
     def demote(self, idx: int, logical_ids: torch.Tensor, selected_rows: Optional[torch.Tensor]) -> None:

@@ -162,8 +162,8 @@ def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world
 
 
 def test_demoting_a_short_resident_request_makes_a_filled_hot_buffer_of_its_rows(gloo_world):
-    """The mechanism on its own (the policy never picks a request whose demotion frees nothing):
-    a resident request shorter than a hot buffer holds only its own pages (nothing is set aside
+    """A demotion the policy never chooses (it frees nothing), asked for directly: a resident
+    request shorter than a hot buffer holds only its own pages (nothing is set aside
     for it), becomes a filled hot buffer of exactly those rows, and keeps decoding exactly
     through the fast and long paths, taking its next pages from the free rows."""
     rig = Rig(gloo_world, residency=True, residency_watermark=0.0)
@@ -176,8 +176,7 @@ def test_demoting_a_short_resident_request_makes_a_filled_hot_buffer_of_its_rows
     free = rig.initial_counts["device_free"]
     assert residency.holds(idx) and rig.counts()["device_free"] == free - 2 * PAGE
     decode(rig, [req], rng, steps=5)
-    logical = rig.req_to_token_pool.req_to_token[idx, : req.seq_len].to(torch.int64)
-    residency.demote(idx, logical, None)
+    rig.coord._resident_decode.demote(idx)  # the policy never picks it: demote it by hand
     assert rig.coord.hot.holds(idx) and rig.coord.hot.capacity[idx] == 2 * PAGE
     assert rig.counts()["device_free"] == free - 2 * PAGE
     decode(rig, [req], rng, steps=80)  # grows past B = 128 into the long path
