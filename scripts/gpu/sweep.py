@@ -181,10 +181,10 @@ def sweep(args) -> dict:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
 
-    for impl, locality in parse_points(args.points):
+    def start(impl: str, locality: str) -> Server | None:
         if left() < args.start_margin_s:
             result["skipped"].append(f"{impl}:{locality} (time budget)")
-            continue
+            return None
         os.environ[LOCALITY_ENV] = locality
         t = time.time()
         try:
@@ -192,37 +192,80 @@ def sweep(args) -> dict:
                                 max_total_tokens=args.max_total_tokens, max_running=max(levels) + 1,
                                 log_dir=e2e.LOG_DIR, tag=f"{args.model}_{locality}_{args.kv_dtype}", model=args.model,
                                 more_flags=("--enable-metrics", *spec_server_flags(args.spec_steps),
-                                            "--decode-log-interval", str(args.decode_log_interval)),
+                                            "--decode-log-interval", str(args.decode_log_interval),
+                                            *(("--mem-fraction-static", str(args.mem_fraction)) if args.mem_fraction
+                                              else ())),
                                 kv_dtype=args.kv_dtype)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed to start: {repr(e)[-1500:]}")
             save()
-            continue
+            return None
         finally:
             os.environ.pop(LOCALITY_ENV, None)
         print(f"[sweep] {impl}:{locality} up in {time.time() - t:.0f}s", flush=True)
+        if impl == "none" and args.timing_context and not result["layer_timing"]:
+            result["layer_timing"] = layer_timing(server, args, layers)
+        return server
+
+    def run_once(server: Server, impl: str, locality: str, c: int, repeat: int) -> dict | None:
+        if left() < args.level_margin_s:
+            result["skipped"].append(f"{impl}:{locality} c={c} repeat {repeat} (time budget)")
+            return None
+        return measure(server, impl, level_batch(args, c, seed=10 + c), args.new_tokens)
+
+    def finish_level(server: Server, impl: str, locality: str, c: int, runs: list[dict]) -> None:
+        if not runs:
+            return
+        result["rows"].append(summarize(impl, locality, c, runs, args.kv_dtype))
+        print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
+        if c in profile_levels and impl in profile_impls and left() >= args.level_margin_s:
+            try:
+                profile = profile_level(server, args, impl, c, result["rows"][-1]["held"],
+                                        Path(args.profile_dir) / f"{impl}_{locality}_c{c}")
+                result["profiles"].append(profile)
+                print(json.dumps({"profile": profile}), flush=True)
+            except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+                result["skipped"].append(f"{impl}:{locality} c={c} profile failed: {repr(e)[-800:]}")
+        save()
+
+    points = parse_points(args.points)
+    if args.interleave:
+        # every point's server up at once; each repeat of a level runs every server in turn, so
+        # that drift of the host (the step is host-bound at small sizes) hits them alike
+        servers = [(impl, locality, start(impl, locality)) for impl, locality in points]
+        live = [(i, l, srv) for i, l, srv in servers if srv is not None]
         try:
-            if impl == "none" and args.timing_context and not result["layer_timing"]:
-                result["layer_timing"] = layer_timing(server, args, layers)
+            for c in levels:
+                runs: dict[str, list[dict]] = {f"{i}:{l}": [] for i, l, _ in live}
+                for r in range(args.repeats):
+                    for impl, locality, server in live:
+                        try:
+                            run = run_once(server, impl, locality, c, r)
+                        except Exception as e:  # noqa: BLE001 - recorded, the others go on
+                            result["skipped"].append(f"{impl}:{locality} c={c} failed: {repr(e)[-800:]}")
+                            run = None
+                        if run is not None:
+                            runs[f"{impl}:{locality}"].append(run)
+                for impl, locality, server in live:
+                    finish_level(server, impl, locality, c, runs[f"{impl}:{locality}"])
+        finally:
+            for _, _, server in live:
+                server.stop()
+        save()
+        return result
+    for impl, locality in points:
+        server = start(impl, locality)
+        if server is None:
+            continue
+        try:
             for c in levels:
                 runs = []
                 for r in range(args.repeats):
-                    if left() < args.level_margin_s:
-                        result["skipped"].append(f"{impl}:{locality} c={c} repeat {r} (time budget)")
+                    run = run_once(server, impl, locality, c, r)
+                    if run is None:
                         break
-                    runs.append(measure(server, impl, level_batch(args, c, seed=10 + c), args.new_tokens))
-                if runs:
-                    result["rows"].append(summarize(impl, locality, c, runs, args.kv_dtype))
-                    print(json.dumps({k: v for k, v in result["rows"][-1].items() if k != "runs"}), flush=True)
-                if runs and c in profile_levels and impl in profile_impls and left() >= args.level_margin_s:
-                    try:
-                        profile = profile_level(server, args, impl, c, result["rows"][-1]["held"],
-                                                Path(args.profile_dir) / f"{impl}_{locality}_c{c}")
-                        result["profiles"].append(profile)
-                        print(json.dumps({"profile": profile}), flush=True)
-                    except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-                        result["skipped"].append(f"{impl}:{locality} c={c} profile failed: {repr(e)[-800:]}")
-                save()
+                    runs.append(run)
+                finish_level(server, impl, locality, c, runs)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             result["skipped"].append(f"{impl}:{locality} failed: {repr(e)[-1500:]}")
         finally:
@@ -246,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pressure", action="store_true",
                    help="the no-pressure point: prompts uniform in [B/8, 3B/8] instead of --context (shorter than B "
                         "with their new tokens; 128 of them fit the default pool)")
+    p.add_argument("--interleave", action="store_true",
+                   help="start every point's server at once and run each repeat of a level on each server in turn "
+                        "(paired runs: host drift hits every server alike; set --mem-fraction so they fit together)")
+    p.add_argument("--mem-fraction", type=float, default=0.0,
+                   help="--mem-fraction-static of every server (0: e2e.py's 0.4)")
     p.add_argument("--decode-log-interval", type=int, default=1,
                    help="SGLang's decode log interval on every server (the decode numbers come from these lines; "
                         "1 logs every step, which costs host time per step: use 40, SGLang's default, where the "
