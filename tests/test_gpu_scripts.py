@@ -243,9 +243,13 @@ def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     assert rows[("none", "none")]["miss_rate"] is None and rows[("ours", "old")]["decode_tok_s"] == 10.0
     assert perf["commands"] == [f"command of gpu_run{c}" for c in "ABCD"]
     grouped = perf_report.panels(perf["rows"])  # the plot: an FP8 point is its own panel, not on a bf16 line
-    assert list(grouped) == [("m", "bfloat16"), ("m", "fp8_e4m3")]
-    assert [r["runs_from"] for r in grouped[("m", "fp8_e4m3")][("ours", "realistic")]] == [["gpu_runD"]]
-    assert grouped[("m", "bfloat16")][("ours", "realistic")][0]["repeats"] == 3
+    assert list(grouped) == [("m", "bfloat16", True), ("m", "fp8_e4m3", True)]
+    assert [r["runs_from"] for r in grouped[("m", "fp8_e4m3", True)][("ours", "realistic")]] == [["gpu_runD"]]
+    assert grouped[("m", "bfloat16", True)][("ours", "realistic")][0]["repeats"] == 3
+    # calls before residency became the default measured hot buffers as "ours"; a no-pressure
+    # fragment's rows are kept apart from 32k-token ones
+    assert perf_report.impl_label("gpu_run55", "ours") == "ours_hot" and perf_report.impl_label("gpu_run59", "ours") == "ours"
+    assert perf_report.impl_label("gpu_run12", "ours_noio") == "ours_noio"
     assert len(perf["layer_timing"]) == 4 and perf["layer_timing"][0]["run"] == "gpu_runA"
     assert sweep.parse_points("ours_noio:realistic,none") == [("ours_noio", "realistic"), ("none", "none")]
     with pytest.raises(ValueError, match="none, upstream, ours, ours_hot, ours_noio"):

@@ -56,7 +56,14 @@ FRAGMENTS: list[tuple[str, str]] = [
     ("gpu_run55/sweep_res_c32.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --points "
                                      "ours_resident:realistic,ours:realistic --concurrency 32 --repeats 1 --budget-s 290 "
                                      "--level-margin-s 60 --out $OUT/sweep_res_c32.json (ours did not fit the budget)"),
+    ("gpu_run60/np2.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model tiny-dsa --no-pressure --points "
+                           "none:realistic,ours:realistic,ours_hot:realistic --concurrency 1,16,64,128 --repeats 2 "
+                           "--profile-levels 16,64 --profile-impls ours,none --profile-steps 12 --budget-s 500 "
+                           "--start-margin-s 80 --level-margin-s 15 --out $OUT/np2.json"),
 ]
+FIRST_RESIDENCY_DEFAULT_RUN = 59
+"""From gpu_run59 on, ``ours`` is the plugin's default with residency on; before it, residency was
+off by default and those calls' ``ours`` rows are hot buffers only: perf.json labels them ``ours_hot``."""
 # Run 23 used the first version of the dial (strength 8, residual writers not damped), which gave
 # ds32-width 78% misses, not ~13%: its rows are labelled so. Its "none" rows are speed-equivalent
 # (no HiSparse: the weights' values do not change the work), but they are kept apart too.
@@ -74,35 +81,44 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
         run = path.split("/")[0]
         labels = LOCALITY_LABELS.get(run, {})
         for row in data["rows"]:
-            key = (data["model"], row["impl"], labels.get(row["locality"], row["locality"]), row["concurrency"],
+            key = (data["model"], impl_label(run, row["impl"]), labels.get(row["locality"], row["locality"]),
+                   row["concurrency"],
                    data.get("kv_dtype", "bfloat16"),  # fragments before the fp8 option are bf16
-                   data.get("speculative"))  # and those before speculation ran without it
+                   data.get("speculative"),  # and those before speculation ran without it
+                   data.get("pressure", True))  # and those before the no-pressure point ran 32k-token requests
             entry = pooled.setdefault(key, {"runs": [], "runs_from": [], "context": data["context"]})
             entry["runs"] += row["runs"]
             entry["runs_from"].append(run)
         for t in data.get("layer_timing", []):
             timing.append(t | {"model": data["model"], "layers": data["layers"], "run": run})
     rows = []
-    for (model, impl, locality, concurrency, kv_dtype, speculative), entry in pooled.items():
+    for (model, impl, locality, concurrency, kv_dtype, speculative, pressure), entry in pooled.items():
         row = summarize(impl, locality, concurrency, entry["runs"], kv_dtype)
         del row["runs"]
-        rows.append(row | {"model": model, "speculative": speculative, "context": entry["context"],
-                           "runs_from": entry["runs_from"]})
+        rows.append(row | {"model": model, "speculative": speculative, "pressure": pressure,
+                           "context": entry["context"], "runs_from": entry["runs_from"]})
     return {"machine": MACHINE, "commands": [c for _, c in fragments], "model": HEADLINE_MODEL, "rows": rows,
             "layer_timing": timing}
 
 
-def panels(rows: list[dict]) -> dict[tuple[str, str], dict[tuple[str, str], list[dict]]]:
-    """The plot's panels: one per (model, KV dtype), the headline model's bf16 panel first; in each,
-    one series per (impl, locality) with its rows by concurrency (so that an FP8 point never joins
-    a bf16 line)."""
-    out: dict[tuple[str, str], dict[tuple[str, str], list[dict]]] = {}
-    order = sorted({(r["model"], r["kv_dtype"]) for r in rows},
-                   key=lambda k: (k[0] != HEADLINE_MODEL, k[0], k[1] != "bfloat16", k[1]))
+def impl_label(run: str, impl: str) -> str:
+    """The implementation name a fragment's row has in perf.json (see FIRST_RESIDENCY_DEFAULT_RUN)."""
+    suffix = run.removeprefix("gpu_run")
+    before = suffix.isdigit() and int(suffix) < FIRST_RESIDENCY_DEFAULT_RUN
+    return "ours_hot" if impl == "ours" and before else impl
+
+
+def panels(rows: list[dict]) -> dict[tuple, dict[tuple[str, str], list[dict]]]:
+    """The plot's panels: one per (model, KV dtype, pressure), the headline model's bf16 panel
+    first; in each, one series per (impl, locality) with its rows by concurrency (so that an FP8
+    point never joins a bf16 line, nor a no-pressure point a 32k-token one)."""
+    out: dict[tuple, dict[tuple[str, str], list[dict]]] = {}
+    order = sorted({(r["model"], r["kv_dtype"], r.get("pressure", True)) for r in rows},
+                   key=lambda k: (k[0] != HEADLINE_MODEL, k[0], k[1] != "bfloat16", k[1], not k[2]))
     for key in order:
         series: dict[tuple[str, str], list[dict]] = {}
         for r in rows:
-            if (r["model"], r["kv_dtype"]) == key:
+            if (r["model"], r["kv_dtype"], r.get("pressure", True)) == key:
                 series.setdefault((r["impl"], r["locality"]), []).append(r)
         out[key] = {k: sorted(v, key=lambda r: r["concurrency"]) for k, v in sorted(series.items())}
     return out
@@ -116,7 +132,7 @@ def plot(perf: dict, out: Path) -> None:
 
     grouped = panels(perf["rows"])
     fig, axes = plt.subplots(1, len(grouped), figsize=(6.5 * len(grouped), 4.5), squeeze=False)
-    for ax, ((model, kv_dtype), series) in zip(axes[0], grouped.items()):
+    for ax, ((model, kv_dtype, pressure), series) in zip(axes[0], grouped.items()):
         for (impl, locality), rs in series.items():
             x = [r["concurrency"] for r in rs]
             y = [r["decode_tok_s"] for r in rs]
@@ -124,9 +140,11 @@ def plot(perf: dict, out: Path) -> None:
                    [r["decode_tok_s_spread"][1] - r["decode_tok_s"] for r in rs]]
             ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{impl} ({locality})")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrency (32k-token requests)")
+        context = next(iter(series.values()))[0]["context"]
+        ax.set_xlabel(f"concurrency ({context}-token requests)")
         ax.set_ylabel("decode tokens/s (median, min-max)")
-        ax.set_title(model if kv_dtype == "bfloat16" else f"{model}, {kv_dtype} KV")
+        title = model if kv_dtype == "bfloat16" else f"{model}, {kv_dtype} KV"
+        ax.set_title(title if pressure else f"{title}, no memory pressure")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
