@@ -134,7 +134,10 @@ class ResidentDecode:
         if count < idxs.numel():
             self.hot.grow(idxs[~resident], lens[~resident])
         at = resident.nonzero().view(-1) if count < idxs.numel() else None
-        new_page, pages = self.residency.grow(idxs if at is None else idxs[at], lens if at is None else lens[at])
+        if at is None:
+            new_page, pages = self.residency.grow(idxs, lens, page_start)
+        else:
+            new_page, pages = self.residency.grow(idxs[at], lens[at], page_start[at])
         own = self.allocator.logical_to_device[out_cache_loc - 1] + 1
         if pages is not None:
             where = new_page if at is None else at[new_page]

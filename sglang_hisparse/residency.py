@@ -209,16 +209,18 @@ class Residency:
         rows (``req_to_token`` is SGLang's position -> logical id table)."""
         return self.allocator.logical_to_device[req_to_token[req_pool_idx, positions].to(torch.int64)]
 
-    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor,
+             page_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Resident requests ``idxs`` (int64 CPU tensor), each one token longer than before
         (``seq_lens``, int64 CPU), take rows for their newest position ``seq_len - 1``: the next
         row of their last page, or a new page of free rows where the position starts one. Returns
         the indices into ``idxs`` of those that took a page (int64 CPU) and the pages (int64, in
         that order; None when none did). The caller made sure enough rows are free
         (:meth:`rows_needed`) and computes the rows themselves on the device. Tensor ops on the
-        whole batch; Python work only for the requests that start a page."""
+        whole batch; Python work only for the requests that start a page. ``page_start``: the
+        caller's ``(seq_lens - 1) % page == 0`` for these requests, when it has it."""
         p = self.page_size
-        new_page = ((seq_lens - 1) % p == 0).nonzero().view(-1)
+        new_page = ((seq_lens - 1) % p == 0 if page_start is None else page_start).nonzero().view(-1)
         pages = None
         if new_page.numel():
             pages = self.allocator.rows.pages.alloc_pages(new_page.numel())
