@@ -62,6 +62,8 @@ FRAGMENTS = [
     ("gpu_run53/res_pressure.json", None),
     # thirteenth session: the position -> slot map (ours_map, "slot_map": true)
     ("gpu_run58/map_exact.json", None),
+    # fourteenth session: the new default (residency on, rows charged as held, growth from free rows)
+    ("gpu_run61/exact_default.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -73,6 +75,9 @@ WORKLOADS = {
     "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
+    "gpu_run61": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
+                 "--max-total-tokens 262144 --budget-s 330 --out $OUT/exact_default.json + sweep ... (the no-pressure "
+                 "point: docs/results/gpu_run61/run.md)",
     "gpu_run58": "bash scripts/gpu/run.sh e2e exactness --configs ours_map:4096:F18:arrival --budget-s 500 "
                  "--out $OUT/map_exact.json",
     "gpu_run52": "bash scripts/gpu/run.sh e2e exactness --configs ours_resident:4096:1,ours_resident:4096:F18:arrival "
