@@ -7,8 +7,8 @@ is answered with that error (HTTP 400) after a one-token prefill instead of bein
 
 SGLang bounds a prompt by the logical pool, which HiSparse makes ``ratio`` times the device
 pool. A request whose budget exceeds what the HiSparse allocator can ever report free (device
-rows minus one hot buffer, logical ids, host rows) would otherwise wait in the queue forever and
-block every request behind it. The rule is :func:`sglang_hisparse.admission.refusal`.
+rows, logical ids, host rows) would otherwise wait in the queue forever and block every request
+behind it. The rule is :func:`sglang_hisparse.admission.refusal`.
 """
 
 from __future__ import annotations

@@ -57,8 +57,9 @@ def capacity_of(allocator, hot, host_pool) -> Capacity:
 def capacity_line(capacity: Capacity) -> str:
     """The start-up capacity line of a server (the planner prints the same line for a plan)."""
     return (
-        f"sglang-hisparse capacity: device rows {capacity.device_rows} ({capacity.hot_buffer_rows} per decoding "
-        f"request: at most {capacity.device_rows // capacity.hot_buffer_rows} hot buffers), host rows "
+        f"sglang-hisparse capacity: device rows {capacity.device_rows} (a request holds its own rows, in a hot "
+        f"buffer at most {capacity.hot_buffer_rows}: {capacity.device_rows // capacity.hot_buffer_rows} long "
+        f"requests at once), host rows "
         f"{capacity.host_rows} (pinned {capacity.host_rows * capacity.host_row_bytes / (1 << 30):.2f} GiB per rank), "
         f"logical ids {capacity.logical_ids}; admission room when idle {capacity.idle_room} tokens"
     )

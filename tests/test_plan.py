@@ -73,7 +73,8 @@ def test_the_cli_prints_the_servers_capacity_line_and_refuses_with_exit_2(v32, c
 def test_the_capacity_line_states_the_servers_numbers():
     line = capacity_line(Capacity(device_rows=8192, hot_buffer_rows=192, page_size=64, logical_ids=16384,
                                   host_rows=16448, device_buffer_size=128, host_row_bytes=2 * GIB // 16448))
-    assert line == ("sglang-hisparse capacity: device rows 8192 (192 per decoding request: at most 42 hot buffers), "
+    assert line == ("sglang-hisparse capacity: device rows 8192 (a request holds its own rows, in a hot buffer at "
+                    "most 192: 42 long requests at once), "
                     "host rows 16448 (pinned 2.00 GiB per rank), logical ids 16384; admission room when idle 8192 tokens")
 
 
