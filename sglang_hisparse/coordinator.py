@@ -263,7 +263,7 @@ class HiSparseCoordinator:
         return max(0, sum(self.hot.step_growth([idx], [n]) for idx, n in growing) - self.allocator.rows.room())
 
     def wait_for_pending_backup(self) -> None:
-        """Order the forward after the last write-through (it overwrites the newest slot)."""
+        """Order the forward after the last copy of a newest slot it overwrites (if any)."""
         self.mirror.order_forward_after_write_through()
 
     def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Owns the host pool, the position -> host row table of every request slot, and the copies that
 keep the table's rows complete: *staging* (all of a prefill's rows, once, after the prefill) and
-*write-through* (each decode step, the token the previous step produced).
+*write-through* (decoded tokens: every step where the next one overwrites their row, else a page
+at a time; see the invariant below).
 
 Ordering (two :class:`~sglang_hisparse.copy_lane.CopyLane`\\ s, so that a long staging copy never
 delays a decode step):
