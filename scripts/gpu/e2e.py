@@ -266,7 +266,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
                     max_running=args.max_running, log_dir=LOG_DIR, graph_bs=graph_bs,
                     tag=workload + log_suffix, overlap=not args.no_overlap,
                     wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model,
-                    kv_dtype=args.kv_dtype, more_flags=tuple(spec_flags(args.spec_steps)),
+                    kv_dtype=args.kv_dtype, more_flags=(*spec_flags(args.spec_steps), *parallel_flags(args)),
                     more_env=accept_all_env(args.spec_steps) if args.accept_all else None)
     tag = f"{impl} B={buffer} graph={graph_mode} {workload} {args.kv_dtype}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
@@ -279,6 +279,18 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
         return outputs, report, decode_trace(parse_batches(settled_log(server)))
     finally:
         server.stop()
+
+
+def parallel_flags(args) -> tuple[str, ...]:
+    """The layout flags of every server of an exactness run (the baseline too: dummy weights are
+    seeded per shard, so only servers of the same layout compare): ``--tp``, and ``--dp`` with DP
+    attention. Nothing for one GPU."""
+    flags: tuple[str, ...] = ()
+    if getattr(args, "tp", 1) > 1:
+        flags += ("--tp-size", str(args.tp))
+    if getattr(args, "dp", 1) > 1:
+        flags += ("--dp-size", str(args.dp), "--enable-dp-attention")
+    return flags
 
 
 def parse_config(text: str, default_workload: str) -> tuple[str, int, str, str]:
@@ -332,7 +344,8 @@ def exactness(args) -> dict:
                    "accept_length": accept_length(outputs) if args.spec_steps else None,
                    "forced_acceptance": bool(args.accept_all),
                    "overlap_schedule": not args.no_overlap,
-                   "wait_for_staging": args.wait_for_staging and impl in OURS, "sequences": len(names),
+                   "wait_for_staging": args.wait_for_staging and impl in OURS, "tp": args.tp, "dp": args.dp,
+                   "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
                    "decode_trace": trace, "baseline_decode_trace": traces[key],
@@ -494,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--wait-for-staging", action="store_true",
                    help='ours with "wait_for_staging": true (prefilled requests join decode in the same step '
                         "as without HiSparse; with --no-overlap the decode batches are the baseline's)")
+    e.add_argument("--tp", type=int, default=1, help="--tp-size of every server (the baseline too)")
+    e.add_argument("--dp", type=int, default=1,
+                   help="--dp-size with --enable-dp-attention on every server (the baseline too); needs --tp >= dp")
     e.add_argument("--max-running", type=int, default=len(FIRST_WAVE) + len(SECOND_WAVE) + 1,
                    help="--max-running-requests of every server; default 19: SGLang 0.5.17 without HiSparse "
                         "decodes at most max-running-requests - 1 requests together "
