@@ -64,6 +64,16 @@ def test_query_rows_comes_from_the_server_not_from_the_config():
         parse_hisparse_config('{"device_buffer_size": 191}', model_index_topk=64, query_rows=3)
 
 
+def test_residency_is_on_by_default_and_off_with_speculation():
+    """Residency is the default (a server without memory pressure then holds its requests as without
+    HiSparse); with speculation (N > 1 query rows) it defaults to off, and the launcher refuses an
+    explicit true there (tests/test_server_checks.py)."""
+    assert parse_hisparse_config(None).residency is True
+    assert parse_hisparse_config('{"residency": false}').residency is False
+    assert parse_hisparse_config(None, query_rows=2).residency is False
+    assert parse_hisparse_config('{"residency": true}', query_rows=2).residency is True  # refused by the launcher
+
+
 def test_slot_map_is_off_by_default():
     assert parse_hisparse_config(None).slot_map is False
     assert parse_hisparse_config('{"slot_map": true}').slot_map is True
