@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+from serving import settle, start_all, stop_soon
+from sglang_hisparse.testing.server import wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -19,19 +20,18 @@ COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunk
 def test_indexshare_model_outputs_identical(tmp_path):
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 2000) for _ in range(n)] for n in (300, 900, 1600, 2400)]
-    outputs, servers = {}, []
+    configs = {"baseline": None, "hisparse": '{"device_buffer_size": 128, "residency": false}'}
+    servers = start_all(*(dict(model="tiny-dsa-cpu-indexshare", hisparse_config=config, extra_args=COMMON,
+                               log_dir=tmp_path, name=name, max_total_tokens=16384) for name, config in configs.items()))
+    outputs = {}
     try:
-        for name, config in (("baseline", None), ("hisparse", '{"device_buffer_size": 128, "residency": false}')):
-            server = start_server(model="tiny-dsa-cpu-indexshare", hisparse_config=config, extra_args=COMMON,
-                                  log_dir=tmp_path, name=name, max_total_tokens=16384)
-            servers.append(server)
-            before = len(server.idle_reports())
+        for (name, config), server in zip(configs.items(), servers):
+            before = settle(server)
             outputs[name] = [o["output_ids"] for o in server.generate(prompts, 32)]
             if config:
                 report = wait_for_idle_report(server, after=before)
                 assert not report["leak"] and report["misses"] > 0, report
     finally:
-        for s in servers:
-            s.stop()
+        stop_soon(servers)
     assert outputs["hisparse"] == outputs["baseline"]
     assert "IndexShare prefetch on: source layer -> followers {1: [2]}" in servers[1].log()

@@ -1,7 +1,8 @@
 """The locality dial of the test-only dummy weights (SGLANG_HISPARSE_DUMMY_LOCALITY), measured the
 way the issue asks: the miss rate our counters report at B = 2 x top_k on a real CPU server. The
 presets land in their bands and outputs stay diverse; the exactness of a server with locality is
-shown by tests/test_e2e_cpu_soak.py (its servers use the realistic preset)."""
+shown by tests/test_e2e_cpu_soak.py (its servers use the realistic preset). One server per preset,
+started side by side."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import random
 
 import pytest
 
+from serving import settle, start_all, stop_soon
 from sglang_hisparse.testing.dummy_init import LOCALITY_PRESETS, locality_strength
-from sglang_hisparse.testing.server import start_server, wait_for_idle_report
+from sglang_hisparse.testing.server import wait_for_idle_report
 
 COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
           "--max-running-requests", "8"]
@@ -24,19 +26,24 @@ def test_values_name_a_preset_or_a_strength():
             locality_strength(bad)
 
 
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("locality")
+    started = start_all(*(dict(hisparse_config='{"device_buffer_size": 128, "residency": false}', extra_args=COMMON,
+                               log_dir=logs, name=f"locality_{preset}", max_total_tokens=32768,
+                               env={"SGLANG_HISPARSE_DUMMY_LOCALITY": preset}) for preset in sorted(BANDS)))
+    yield dict(zip(sorted(BANDS), started))
+    stop_soon(started)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(BANDS))
-def test_a_preset_gives_its_miss_rate_at_b_twice_top_k(tmp_path, preset):
-    server = start_server(hisparse_config='{"device_buffer_size": 128, "residency": false}', extra_args=COMMON, log_dir=tmp_path,
-                          name=f"locality_{preset}", max_total_tokens=32768,
-                          env={"SGLANG_HISPARSE_DUMMY_LOCALITY": preset})
-    try:
-        rng = random.Random(0)
-        before = len(server.idle_reports())
-        outs = server.generate([[rng.randrange(2, 2000) for _ in range(n)] for n in (1500, 2500, 3000)], 64)
-        report = wait_for_idle_report(server, after=before)
-    finally:
-        server.stop()
+def test_a_preset_gives_its_miss_rate_at_b_twice_top_k(servers, preset):
+    server = servers[preset]
+    rng = random.Random(0)
+    before = settle(server)
+    outs = server.generate([[rng.randrange(2, 2000) for _ in range(n)] for n in (1500, 2500, 3000)], 64)
+    report = wait_for_idle_report(server, after=before)
     low, high = BANDS[preset]
     assert low <= report["misses"] / report["selected"] <= high, report
     assert all(len(set(o["output_ids"])) > 32 for o in outs), "degenerate outputs"

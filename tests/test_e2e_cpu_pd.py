@@ -16,7 +16,8 @@ import re
 
 import pytest
 
-from sglang_hisparse.testing.server import post_json, start_server, wait_for_idle_report
+from serving import settle, start, stop_soon
+from sglang_hisparse.testing.server import post_json, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +30,13 @@ NEW_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def decode_server(tmp_path_factory):
-    server = start_server(
+    server = start(
         hisparse_config='{"device_buffer_size": 128, "residency": false}', extra_args=PD_DECODE, log_dir=tmp_path_factory.mktemp("pd"),
         name="pd_decode", max_total_tokens=16384,
         env={"SGLANG_TEST_RETRACT": "1", "SGLANG_HISPARSE_TRAP_UPSTREAM": "1"},
     )
     yield server
-    server.stop()
+    stop_soon(server)
 
 
 def fake_transfer_request(prompts: list[list[int]], rooms: list[int]) -> dict:
@@ -50,7 +51,7 @@ def fake_transfer_request(prompts: list[list[int]], rooms: list[int]) -> dict:
 
 
 def test_a_pd_decode_instance_serves_retracts_and_resumes_and_frees_everything(decode_server):
-    before = len(decode_server.idle_reports())
+    before = settle(decode_server)
     prompts = [[5 + (i * 7) % 1900 for i in range(n)] for n in CONTEXTS]
     outs = post_json(f"{decode_server.url}/generate", fake_transfer_request(prompts, [11, 12, 13, 14]), 600)
     assert [len(o["output_ids"]) for o in outs] == [NEW_TOKENS] * len(CONTEXTS)

@@ -8,10 +8,13 @@ CPU engine, with and without our HiSparse (docs/speculative.md).
   (SGLang's simulated acceptance, ``SGLANG_SIMULATE_ACC_LEN=2`` with real draft tokens: each
   window's draft position is committed from its window slot). Misses happened, and every pool is
   back at its initial free count afterwards.
-* Requests aborted mid-decode leave every pool at its initial free count.
+* Requests aborted mid-decode (on the accept-all HiSparse server, after its comparison) leave every
+  pool at its initial free count.
 * More draft steps are refused on CPU in one line (no multi-step draft decode backend there).
   (SGLang's CPU engine turns the overlap scheduler off for speculation itself; our refusal of
   speculation with it on is covered by tests/test_server_checks.py.)
+
+Each pair of servers starts side by side, the refused one next to the first pair.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import random
 
 import pytest
 
-from sglang_hisparse.testing.server import abort_two_mid_decode, start_server, wait_for_idle_report
+from serving import settle, start_all, start_in_background, stop_soon
+from sglang_hisparse.testing.server import abort_two_mid_decode, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 
@@ -43,17 +47,43 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(2, 2000) for _ in range(n)] for n in CONTEXTS]
 
 
-def _serve(tmp_path, name: str, *, hisparse: bool, env=None):
-    """Start, generate the prompts' greedy outputs, wait for the idle report (HiSparse), stop:
-    (outputs, meta infos, report or None)."""
-    server = start_server(model=MODEL, hisparse_config=HISPARSE if hisparse else None,
-                          extra_args=COMMON + NO_OVERLAP + _spec(1), env=env, log_dir=tmp_path, name=name)
-    try:
-        before = len(server.idle_reports())  # the start-up report is already there
-        results = server.generate(_prompts(), NEW_TOKENS)
-        report = wait_for_idle_report(server, after=before) if hisparse else None
-    finally:
-        server.stop()
+def _pair(logs, name: str, env=None) -> list:
+    """The speculative server without HiSparse and the same with it, started side by side."""
+    return start_all(*(dict(model=MODEL, hisparse_config=config, extra_args=COMMON + NO_OVERLAP + _spec(1), env=env,
+                            log_dir=logs, name=n) for n, config in ((name, None), (f"{name}_hisparse", HISPARSE))))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e_cpu_spec")
+
+
+@pytest.fixture(scope="module")
+def two_steps(logs):
+    """The start of a server asking for two draft steps (a Future), begun before the first pair so
+    that they start side by side."""
+    return start_in_background(model=MODEL, extra_args=COMMON + NO_OVERLAP + _spec(2), log_dir=logs, name="spec2")
+
+
+@pytest.fixture(scope="module")
+def own_acceptance(logs, two_steps):
+    servers = _pair(logs, "spec")
+    yield servers
+    stop_soon(servers)
+
+
+@pytest.fixture(scope="module")
+def accept_all(logs):
+    servers = _pair(logs, "spec_acc", env=ACCEPT_ALL)
+    yield servers
+    stop_soon(servers)
+
+
+def _generate(server, hisparse: bool):
+    """The prompts' greedy outputs, meta infos and (HiSparse) the idle report after them."""
+    before = settle(server)
+    results = server.generate(_prompts(), NEW_TOKENS)
+    report = wait_for_idle_report(server, after=before) if hisparse else None
     return [r["output_ids"] for r in results], [r["meta_info"] for r in results], report
 
 
@@ -68,36 +98,37 @@ def _assert_identical_and_clean(base, ours) -> None:
     assert report["misses"] > 0 and report["selected"] > report["misses"], report
 
 
-def test_outputs_identical_to_speculation_without_hisparse(tmp_path):
-    base = _serve(tmp_path, "spec", hisparse=False)
-    ours = _serve(tmp_path, "spec_hisparse", hisparse=True)
+def test_outputs_identical_to_speculation_without_hisparse(own_acceptance):
+    base, ours = own_acceptance
+    base, ours = _generate(base, hisparse=False), _generate(ours, hisparse=True)
     _assert_identical_and_clean(base, ours)
     assert all(m["spec_accept_length"] < 1.5 for m in ours[1])  # drafts rejected: stale windows exercised
 
 
-def test_outputs_identical_when_every_draft_is_accepted(tmp_path):
-    base = _serve(tmp_path, "spec_acc", hisparse=False, env=ACCEPT_ALL)
-    ours = _serve(tmp_path, "spec_acc_hisparse", hisparse=True, env=ACCEPT_ALL)
+def test_outputs_identical_when_every_draft_is_accepted(accept_all):
+    base, ours = accept_all
+    base, ours = _generate(base, hisparse=False), _generate(ours, hisparse=True)
     _assert_identical_and_clean(base, ours)
     assert all(m["spec_accept_length"] >= 1.9 for m in ours[1])  # two tokens per verify step
 
 
-def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(tmp_path):
-    server = start_server(model=MODEL, hisparse_config=HISPARSE, extra_args=COMMON + NO_OVERLAP + _spec(1),
-                          env=ACCEPT_ALL, log_dir=tmp_path, name="spec_abort")
-    try:
-        before = len(server.idle_reports())
-        outcome = abort_two_mid_decode(server, [100, 700, 1500, 300], 300, seed=1)
-        assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
-        report = wait_for_idle_report(server, after=before)
-    finally:
-        server.stop()
+def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(accept_all):
+    server = accept_all[1]
+    before = settle(server)
+    outcome = abort_two_mid_decode(server, [100, 700, 1500, 300], 300, seed=1)
+    assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
+    report = wait_for_idle_report(server, after=before)
     assert not report["leak"], report
     assert report["selected"] > 0, report  # the report of this workload, not the start-up one
     for name, (now, initial) in report["counts"].items():
         assert now == initial, (name, now, initial)
 
 
-def test_more_draft_steps_are_refused_on_cpu_in_one_line(tmp_path):
-    with pytest.raises(RuntimeError, match="--speculative-num-steps=2 needs a multi-step draft decode backend"):
-        start_server(model=MODEL, extra_args=COMMON + NO_OVERLAP + _spec(2), log_dir=tmp_path, name="spec2")
+def test_more_draft_steps_are_refused_on_cpu_in_one_line(two_steps):
+    try:
+        server = two_steps.result(timeout=900)
+    except RuntimeError as e:
+        assert "--speculative-num-steps=2 needs a multi-step draft decode backend" in str(e)
+    else:
+        stop_soon(server)
+        pytest.fail("a CPU server with two draft steps started")

@@ -4,6 +4,10 @@ The GPU-only parts (model, FlashMLA flags) are replaced: ``launch`` starts the C
 the request sizes shrink. Everything else runs as on the H200: both workloads, the baseline per
 (graph mode, workload), comparison, decode traces, output digests, the idle report, aborts, the
 throughput levels and their decode numbers read from the server log.
+
+The default tier runs one exactness row (a baseline and ours, flags reaching both servers and the
+row); the full tier runs every workload, the throughput rows, the launch-scripts job and the sweep
+(about twenty servers, started one after another as the scripts do).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server
+from serving import QUIET, start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
@@ -39,11 +43,11 @@ def cpu_e2e(tmp_path, monkeypatch):
         asked.append((name, overlap, config))
         cpu_model = {"tiny-dsa": "tiny-dsa-cpu", "tiny-dsa-indexshare": "tiny-dsa-cpu-indexshare",
                      "tiny-dsa-mtp": "tiny-dsa-cpu-mtp"}[model]
-        return start_server(model=cpu_model, hisparse_config=config, log_dir=log_dir, name=name, env=more_env,
-                            max_total_tokens=max_total_tokens,
-                            extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
-                                        "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
-                                        "--decode-log-interval", "1", *more_flags])
+        return start(model=cpu_model, hisparse_config=config, log_dir=log_dir, name=name, env=more_env,
+                     max_total_tokens=max_total_tokens,
+                     extra_args=["--mem-fraction-static", "0.5", "--disable-overlap-schedule",
+                                 "--chunked-prefill-size", "16384", "--max-running-requests", str(max_running),
+                                 "--decode-log-interval", "1", *more_flags])
 
     monkeypatch.setattr(e2e, "launch", launch)
     monkeypatch.setattr(e2e, "LOG_DIR", tmp_path / "logs")
@@ -54,6 +58,7 @@ def cpu_e2e(tmp_path, monkeypatch):
     return tmp_path, started, asked
 
 
+@pytest.mark.full
 def test_exactness_rows_on_cpu(cpu_e2e):
     tmp_path, started, _ = cpu_e2e
     args = e2e.build_parser().parse_args([
@@ -96,6 +101,7 @@ def test_model_no_overlap_and_wait_for_staging_reach_the_servers_and_the_rows(cp
     assert row["decode_trace"] == row["baseline_decode_trace"]
 
 
+@pytest.mark.full
 def test_throughput_rows_on_cpu(cpu_e2e):
     tmp_path, _, _ = cpu_e2e
     args = e2e.build_parser().parse_args([
@@ -110,6 +116,7 @@ def test_throughput_rows_on_cpu(cpu_e2e):
     assert [r["miss_rate"] is None for r in rows] == [True, True, False, False]
 
 
+@pytest.mark.full
 def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
     """The GPU job that runs scripts/launch/colocated.sh and pd_decode.sh (fake transfer, test
     retractions) at tiny scale, here with the CPU engine."""
@@ -122,7 +129,7 @@ def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
     args = e2e.build_parser().parse_args([
         "launch-scripts", "--model", "tiny-dsa-cpu", "--device", "cpu", "--contexts", "100,300,700",
         "--new-tokens", "24", "--buffer", "128", "--ratio", "2", "--max-total-tokens", "16384",
-        "--server-args=--disable-overlap-schedule", "--out", str(tmp_path / "ls.json")])
+        "--server-args=--disable-overlap-schedule " + " ".join(QUIET), "--out", str(tmp_path / "ls.json")])
     rows = e2e.launch_scripts(args)["launch_scripts"]
     assert [r["script"] for r in rows] == ["colocated.sh", "pd_decode.sh"], rows
     for row in rows:
@@ -131,6 +138,7 @@ def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
     assert rows[0]["retractions"] == 0 and rows[1]["retractions"] > 0
 
 
+@pytest.mark.full
 def test_sweep_on_cpu(cpu_e2e):
     """scripts/gpu/sweep.py end to end at tiny sizes: rows of perf.json's schema per point and level,
     repeats with their spread, miss rates from our Prometheus series (realistic locality at B = 2 x

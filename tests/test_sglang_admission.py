@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_hisparse.testing.server import start_server
+from serving import start_all, stop_soon
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu"))
 
@@ -27,19 +27,19 @@ pytestmark = pytest.mark.slow
 LENGTHS = [100, 200, 300, 400, 500, 600, 150, 250, 350, 450, 550, 650, 120, 220, 320, 420, 520, 80]
 
 
-def most_decoding_together(max_running: int, log_dir: Path) -> int:
+def most_decoding_together(server) -> int:
     rng = random.Random(0)
-    server = start_server(extra_args=["--mem-fraction-static", "0.5", "--max-running-requests", str(max_running),
-                                      "--decode-log-interval", "1", "--chunked-prefill-size", "1024"],
-                          log_dir=log_dir, name=f"admission_{max_running}", max_total_tokens=32768)
-    try:
-        server.generate([[rng.randrange(2, 2000) for _ in range(n)] for n in LENGTHS], 8)
-        return max(b.running for b in parse_batches(server.log()) if b.decode)
-    finally:
-        server.stop()
+    server.generate([[rng.randrange(2, 2000) for _ in range(n)] for n in LENGTHS], 8)
+    return max(b.running for b in parse_batches(server.log()) if b.decode)
 
 
 def test_baseline_decodes_at_most_max_running_minus_one(tmp_path):
     assert sum(LENGTHS) + 8 * len(LENGTHS) < 32768 // 4  # tokens are never the limit here
-    assert most_decoding_together(len(LENGTHS), tmp_path) == len(LENGTHS) - 1
-    assert most_decoding_together(len(LENGTHS) + 1, tmp_path) == len(LENGTHS)
+    limits = (len(LENGTHS), len(LENGTHS) + 1)
+    servers = start_all(*(dict(extra_args=["--mem-fraction-static", "0.5", "--max-running-requests", str(n),
+                                           "--decode-log-interval", "1", "--chunked-prefill-size", "1024"],
+                               log_dir=tmp_path, name=f"admission_{n}", max_total_tokens=32768) for n in limits))
+    try:
+        assert [most_decoding_together(s) for s in servers] == [len(LENGTHS) - 1, len(LENGTHS)]
+    finally:
+        stop_soon(servers)
