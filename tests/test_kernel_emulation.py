@@ -1,6 +1,7 @@
 """The device code of kernels/resolve.cuh, run on CPU threads (tests/emulation), against the
 batched oracle on random cases: checks the kernel's logic without a GPU. Slow (builds a torch
-C++ extension, ~1 minute the first time); skipped without a C++ compiler."""
+C++ extension, ~1 minute the first time, once per run: the ``emu`` fixture); skipped without a
+C++ compiler. The full tier adds 400 more random cases."""
 
 from __future__ import annotations
 
@@ -14,12 +15,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "emulation"))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="needs c++ and ninja")
-def test_emulated_kernel_matches_oracle():
+@pytest.fixture(scope="module")
+def emu():
+    """The emulator extension, built (or loaded from its build directory) once for the module."""
+    if shutil.which("c++") is None or shutil.which("ninja") is None:
+        pytest.skip("needs c++ and ninja")
     import run_emulation
 
-    emu = run_emulation.build()
+    return run_emulation.build()
+
+
+@pytest.mark.slow
+def test_emulated_kernel_matches_oracle(emu):
+    import run_emulation
+
     cases = int(os.environ.get("HISPARSE_EMU_CASES", "40"))
     failures, reports = run_emulation.run_cases(emu, cases, seed=int(os.environ.get("HISPARSE_EMU_SEED", "11")))
     assert failures == 0, "\n\n".join(reports)
@@ -40,8 +49,17 @@ def test_emulated_kernel_matches_oracle():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="needs c++ and ninja")
-def test_emulated_kernel_keeps_the_slot_map_across_steps():
+@pytest.mark.full
+def test_emulated_kernel_matches_oracle_on_many_cases(emu):
+    """The exhaustive run: 400 more random cases (another seed)."""
+    import run_emulation
+
+    failures, reports = run_emulation.run_cases(emu, 400, seed=12)
+    assert failures == 0, "\n\n".join(reports)
+
+
+@pytest.mark.slow
+def test_emulated_kernel_keeps_the_slot_map_across_steps(emu):
     """With the position -> slot map, the kernel writes each miss's entry, so a second and third
     launch with the same selections find every position through the map (no misses), exactly as
     the oracle (which looks positions up in the slot table) does. Three planner layouts: slot
@@ -52,7 +70,6 @@ def test_emulated_kernel_keeps_the_slot_map_across_steps():
     from sglang_hisparse.resolver.batched import resolve_batched
     from sglang_hisparse.resolver.cases import CaseSpec, HostPool, differences, make_case
 
-    emu = run_emulation.build()
     dev = torch.device("cpu")
     pool = HostPool(8 << 20, dev, pin=False, seed=1)
     kbuf = torch.empty(4 << 20, dtype=torch.uint8)

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import pytest
@@ -646,20 +647,15 @@ def _cuda_runtime_for_linking() -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def hopper_module(tmp_path_factory):
-    """The sm_90a resolve module (656-byte rows, B=128, top_k=64) built by SGLang's loader with
-    no GPU: its entry points' checks run before any CUDA call, so they can be exercised here."""
-    yield from _hopper_build(tmp_path_factory, 656, 128, 64)
+HOPPER_BUILDS = {"plain": (656, 128, 64), "spill": (656, 8192, 3 * 2048)}
 
 
 @pytest.fixture(scope="module")
-def hopper_spill_module(tmp_path_factory):
-    """The sm_90a module of a spilling planner: B=8192 with a 3-row verify union of 2048."""
-    yield from _hopper_build(tmp_path_factory, 656, 8192, 3 * 2048)
-
-
-def _hopper_build(tmp_path_factory, item_bytes: int, B: int, top_k: int):
+def hopper_modules(tmp_path_factory):
+    """The sm_90a resolve modules built by SGLang's loader with no GPU, both at once (each build is
+    one nvcc process): ``plain`` (656-byte rows, B=128, top_k=64) and ``spill``, a spilling
+    planner (B=8192 with a 3-row verify union of 2048). Their entry points' checks run before any
+    CUDA call, so they can be exercised here."""
     if shutil.which("nvcc") is None:
         pytest.skip("needs nvcc")
     from sglang.kernels.jit.utils import override_jit_cuda_arch
@@ -670,8 +666,9 @@ def _hopper_build(tmp_path_factory, item_bytes: int, B: int, top_k: int):
     _cuda_runtime_for_linking()
     jit.resolve_module.cache_clear()
     try:
-        with override_jit_cuda_arch(9, 0):
-            yield jit.resolve_module(item_bytes, B, top_k)
+        with override_jit_cuda_arch(9, 0), ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(jit.resolve_module, *args) for name, args in HOPPER_BUILDS.items()}
+            yield {name: f.result() for name, f in futures.items()}
     except RuntimeError as e:
         if "cannot find -lcudart" in str(e):
             pytest.skip("no CUDA runtime library to link against on this machine")
@@ -683,6 +680,16 @@ def _hopper_build(tmp_path_factory, item_bytes: int, B: int, top_k: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def hopper_module(hopper_modules):
+    return hopper_modules["plain"]
+
+
+@pytest.fixture(scope="module")
+def hopper_spill_module(hopper_modules):
+    return hopper_modules["spill"]
 
 
 @pytest.mark.slow
