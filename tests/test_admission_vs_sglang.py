@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
 from rig import PAGE, Request, Rig
+from tier import examples
 
 CLIP = 4096
 DEVICE_ROWS = PAGE * 24
@@ -155,7 +156,7 @@ def serve(server, mix: list[tuple[int, int]], ratio: float, max_steps: int = 200
 MIXES = st.lists(st.tuples(st.integers(1, 500), st.integers(1, 160)), min_size=1, max_size=10)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mix=MIXES, ratio=st.sampled_from([0.1, 0.4, 0.7, 1.0]), residency=st.booleans())
 def test_hisparse_admits_at_least_what_the_same_pool_admits_without_it(gloo_world, mix, ratio, residency):
     ours = WithHiSparse(gloo_world, residency)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from rig import DIM, KV_LORA, PAGE, ROPE
+from tier import examples
 from sglang_hisparse.allocator import HiSparseAllocator
 from sglang_hisparse.device_pool import HiSparseDevicePool
 
@@ -164,7 +165,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not bool(self.a.logical_to_device[:-1].any())
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
 TestAllocatorProperties = AllocatorMachine.TestCase
 
 

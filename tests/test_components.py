@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
+from tier import examples
 
 from sglang_hisparse.admission import Capacity, refusal
 from sglang_hisparse.copy_lane import CopyLane
@@ -118,7 +119,7 @@ def test_the_refusal_rule_mirrors_sglangs_idle_admission(prompt, max_new, ignore
         assert "never has more than 8192" in problem and "device pool 8192 rows, logical ids 16384" in problem
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lens=st.lists(st.integers(2, 400), min_size=1, max_size=12), seed=st.integers(0, 2**16))
 def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
     """``PageAllocator.decode`` (a decode step's fast path) gives each request the id ``extend``

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
+from tier import examples
 
 from sglang_hisparse.copy_lane import Fence
 
@@ -308,7 +309,7 @@ def run_random_lifecycle(rig: Rig, rng: random.Random, overlap: float, *, length
 
 
 @pytest.mark.parametrize("replacement", ["lru", "reuse"])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0))
 def test_random_lifecycles_stay_exact_and_leak_nothing(gloo_world, replacement, seed, overlap):
     rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, replacement=replacement)

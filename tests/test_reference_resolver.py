@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tier import examples
 from sglang_hisparse.resolver.reference import MissPlan, replay_plan_reference, resolve_reference
 
 ROW = 4  # elements per KV row (tiny)
@@ -182,7 +183,7 @@ class NaiveCache:
         return result
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     B=st.integers(2, 24),
     extra=st.integers(0, 6),

@@ -14,6 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tier import examples
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_hisparse.replacement.policies import (  # noqa: E402
@@ -248,7 +250,7 @@ def draw(params: tuple[int, ...]) -> tuple[np.ndarray, int, int]:
     return steps, k, b
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(sizes)
 def test_recency_policies_match_naive_model(params: tuple[int, ...]) -> None:
     steps, k, b = draw(params)
@@ -258,7 +260,7 @@ def test_recency_policies_match_naive_model(params: tuple[int, ...]) -> None:
             assert got[i].tolist() == naive_recency(steps[i, :, :k].tolist(), b, order), policy.name
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(sizes)
 def test_belady_matches_naive_model(params: tuple[int, ...]) -> None:
     steps, k, b = draw(params)
@@ -267,7 +269,7 @@ def test_belady_matches_naive_model(params: tuple[int, ...]) -> None:
         assert got[i].tolist() == naive_belady(steps[i, :, :k].tolist(), b)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(sizes)
 def test_random_matches_naive_model(params: tuple[int, ...]) -> None:
     steps, k, b = draw(params)
@@ -283,7 +285,7 @@ def all_policies(steps: np.ndarray, k: int, b: int) -> list:
             ReuseTable(table[:, :, :1], use_rank=False), LookaheadOracle(2)]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(sizes)
 def test_belady_never_loses(params: tuple[int, ...]) -> None:
     steps, k, b = draw(params)
@@ -292,7 +294,7 @@ def test_belady_never_loses(params: tuple[int, ...]) -> None:
         assert np.all(best <= simulate(policy, steps, k, b).sum(axis=1)), policy.name
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes)
 def test_every_policy_with_b_equal_k_is_keep_only_topk(params: tuple[int, ...]) -> None:
     steps, k, _ = draw(params)
@@ -329,7 +331,7 @@ class Recorder:
         self.before = state.slot_pos.copy()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes)
 def test_invariants_and_miss_count_equals_insertions(params: tuple[int, ...]) -> None:
     steps, k, b = draw(params)

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
+from tier import examples
 from test_coordinator_lifecycle import run_random_lifecycle, select
 
 from sglang_hisparse.residency import ResidencyPolicy
@@ -151,7 +152,7 @@ def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages()
 
 
 @pytest.mark.parametrize("replacement, slot_map", [("lru", False), ("reuse", False), ("lru", True)])
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
 def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, replacement, slot_map, seed, overlap,
                                                                       watermark):

@@ -20,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tier import examples
 from sglang_hisparse.replacement.policies import AGE_EDGES, COUNT_EDGES, PRIORITY_LEVELS, ReuseTable
 from sglang_hisparse.replacement.reuse import (
     CELLS,
@@ -64,7 +65,7 @@ def test_packaged_table_is_the_reports_history_table():
     assert np.array_equal(table[..., 0], history_table().table)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), coarse=st.booleans())
 def test_levels_order_cells_as_the_quantized_table(seed, coarse):
     table = np.random.default_rng(seed).random((9, 6))
@@ -282,7 +283,7 @@ def _replay(ranked: np.ndarray, k: int, B: int, levels: torch.Tensor, resolver) 
     return result.misses
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), B=st.integers(8, 32), k=st.integers(4, 16), steps=st.integers(10, 40),
        n=st.integers(1, 3), extra=st.integers(1, 40), coarse=st.booleans())
 def test_reference_replays_the_simulators_reuse_table(seed, B, k, steps, n, extra, coarse):

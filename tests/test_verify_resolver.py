@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tier import examples
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.resolver.batched import resolve_batched
 from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions
@@ -176,7 +177,7 @@ def test_preconditions_are_refused_in_one_line():
                        **kw, **narrow)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.lists(st.integers(-1, 12), min_size=1, max_size=10), min_size=1, max_size=4).filter(
     lambda rows: len({len(r) for r in rows}) == 1))
 def test_union_keeps_each_position_once_in_first_occurrence_order(rows):
