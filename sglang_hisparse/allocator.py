@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from sglang_hisparse.device_rows import DeviceRows
 from sglang_hisparse.paging import PageAllocator
+from sglang_hisparse.stats import HostTime, timed
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self._reclaim: Callable[[int], None] = lambda rows: None
         self._reclaimable: Callable[[], int] = lambda: 0
         self._logical_only = False
+        self.host_time = HostTime()
+        """Our host time per decode step, by part (shared with the coordinator's stats)."""
         kvcache.attach_mapping(self.logical_to_device)
 
     # --- configuration by the coordinator ----------------------------------------------------
@@ -224,6 +227,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         """Logical ids only (PD decode: the KV arrives directly in host memory)."""
         return self.logical.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
 
+    @timed("alloc")
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> Optional[torch.Tensor]:

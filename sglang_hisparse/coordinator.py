@@ -44,7 +44,7 @@ from sglang_hisparse.pressure import ResidentDecode
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
-from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, token_stats
+from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, timed, token_stats
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,10 @@ class HiSparseCoordinator:
         self._producer_stream = None
         self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.host_time = self.allocator.host_time
         self.stats = ResolveStats(device, log_interval=self.config.stats_log_interval, row_bytes=self.device_pool.row_bytes,
-                                  free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool))
+                                  free_counts=functools.partial(pool_free_counts, self.allocator, self.mirror.pool),
+                                  host_time=self.host_time)
         resolver = make_resolver(self.config, device, max_reqs, top_k)
         resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         if self.config.query_rows > 1:
@@ -170,6 +172,7 @@ class HiSparseCoordinator:
         """The draft state kept for a request joining decode (KeyError when none was kept)."""
         return self._draft_state.pop(req_pool_idx)
 
+    @timed("ready")
     def collect_ready_reqs(self) -> List[Any]:
         """Staged requests, in order, whose copy finished on every rank and whose hot buffer fits.
 
@@ -225,6 +228,7 @@ class HiSparseCoordinator:
         self.stats.note_activity()
 
     # --- decode steps ------------------------------------------------------------------------
+    @timed("map")
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` count the new token): write the previous tokens
         through to host where they are due (at once where the step overwrites their rows, a page at
@@ -236,15 +240,23 @@ class HiSparseCoordinator:
                                       f"verify {self.config.query_rows} tokens (begin_verify_step maps those)")
         idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
         self.stats.note_decode_step(int(lens.numel()))
-        resident = self.residency.mask(idxs) if self.residency is not None else None
+        driver = self._resident_decode
+        if driver is not None:
+            rows = driver.quiet_rows(idxs, lens, out_cache_loc)  # most steps of resident batches
+            if rows is not None:
+                self.allocator.map_logical(out_cache_loc, rows)
+                return
+        resident = self.residency.mask(idxs) if driver is not None else None
         self.mirror.write_through_step(idxs, lens, self.device_rows_now, resident=resident,
                                        buffer_size=self.hot.buffer_size)
-        if resident is None:
+        if driver is None:
             rows = self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         else:
-            rows = self._resident_decode.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, resident)
+            rows = driver.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, resident)
+            driver.note_step(idxs, lens)
         self.allocator.map_logical(out_cache_loc, rows)
 
+    @timed("check")
     def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
         """Device rows the next decode step of these requests lacks (0: it fits), after every
         demotion of a resident request that could help. ``committed_lens``: positions with KV
@@ -262,6 +274,7 @@ class HiSparseCoordinator:
         growing = [(idx, n) for idx, n in zip(req_pool_indices, lens) if (n - 1) % p == 0]
         return max(0, sum(self.hot.step_growth([idx], [n]) for idx, n in growing) - self.allocator.rows.room())
 
+    @timed("wait")
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last copy of a newest slot it overwrites (if any)."""
         self.mirror.order_forward_after_write_through()

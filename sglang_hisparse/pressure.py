@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -38,6 +38,10 @@ class ResidentDecode:
         self.quiesce = quiesce
         self._last_batch = torch.zeros(0, dtype=torch.int64)
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
+        self._quiet_until = torch.zeros(selections.shape[0], dtype=torch.int64)
+        """Per request slot (CPU), the first ``seq_len`` at which its decode step is not quiet (0:
+        the next one is not): see :meth:`quiet_rows`. Valid while ``_quiet_stamp`` matches."""
+        self._quiet_stamp: Optional[tuple[int, int]] = None
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -108,6 +112,37 @@ class ResidentDecode:
             for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
                 self.demote(idx)
         return residency.demotions_total != demotions
+
+    def _stamp(self) -> tuple[int, int]:
+        return self.residency.changes, self.mirror.flush_changes
+
+    def quiet_rows(self, idxs: torch.Tensor, lens: torch.Tensor, out_cache_loc: torch.Tensor) -> Optional[torch.Tensor]:
+        """The newest rows of a *quiet* step, or None when this step is not one.
+
+        A step is quiet when every request in it is resident, none of their newest positions
+        starts a page and none is due for write-through: :meth:`newest_rows` and the
+        write-through would then only extend each request's length and give it the next row of
+        its page. The slow path (:meth:`note_step`) records up to which ``seq_len`` each request
+        stays quiet; a change of residency or of the write-through schedule since then
+        (``_stamp``) makes the step slow. Side effects of a quiet step: ``length`` and the last
+        batch. Three small tensor ops decide it."""
+        if self._quiet_stamp != self._stamp() or not bool((lens < self._quiet_until[idxs]).all()):
+            return None
+        self._last_batch = idxs
+        self.residency.length[idxs] = lens
+        return self.allocator.logical_to_device[out_cache_loc - 1] + 1
+
+    def note_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
+        """After a slow step at ``lens`` (int64 CPU) of slots ``idxs``: record up to which
+        ``seq_len`` each resident request's steps stay quiet (before its next page start and
+        before it is next due for write-through; hot-buffer requests: never). Slots not in this
+        batch are reset to never."""
+        p = self.hot.page_size
+        next_page_start = ((lens - 1) // p + 1) * p + 1
+        until = torch.minimum(next_page_start, self.mirror.flush_at[idxs] + 1)
+        self._quiet_until.zero_()
+        self._quiet_until[idxs] = torch.where(self.residency.mask(idxs), until, 0)
+        self._quiet_stamp = self._stamp()
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,9 @@ class Residency:
         self.length = torch.zeros(max_reqs, dtype=torch.int64)
         """Per request slot, the positions a resident request has on the device (0: not resident)."""
         self._members: set[int] = set()
+        self.changes = 0
+        """Counts every change of membership or of a slot's page count (:meth:`_set_length`): a
+        reader that cached something derived from them compares it (``ResidentDecode``'s quiet steps)."""
         self._reclaimable_total = 0
         """Sum of :meth:`reclaimable` (kept up to date on every change of ``length``)."""
         self.admitted_total = 0
@@ -125,6 +128,7 @@ class Residency:
     def _set_length(self, idx: int, n: Optional[int]) -> None:
         """The writer of one slot's ``length`` (None: the slot leaves), keeping the reclaimable
         total and the members (:meth:`grow` updates many slots at once)."""
+        self.changes += 1
         if idx in self._members:
             self._reclaimable_total -= self._over_padded(int(self.length[idx]))
         if n is None:

@@ -13,7 +13,9 @@ selection counted) still reports.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -50,8 +52,56 @@ def pool_free_counts(allocator, host_pool) -> FreeCounts:
     }
 
 
+class HostTime:
+    """Host time our code spends per decode step, by part (``check``: the decode memory check,
+    ``alloc``: the new tokens' logical ids, ``map``: ``map_last_loc_to_buffer``, ``wait``:
+    ``wait_for_pending_backup``, ``ready``: ``collect_ready_reqs``), since the last idle report.
+    Two ``perf_counter_ns`` reads per timed call; no device sync. Owned by the allocator (the first
+    of our objects SGLang builds), read and reset by :class:`ResolveStats` at each idle report."""
+
+    PARTS = ("check", "alloc", "map", "wait", "ready")
+
+    def __init__(self) -> None:
+        self.ns = dict.fromkeys(self.PARTS, 0)
+
+    def add(self, part: str, ns: int) -> None:
+        self.ns[part] += ns
+
+    def take(self) -> dict[str, int]:
+        """The totals (ns) since the last call, and reset them."""
+        totals, self.ns = self.ns, dict.fromkeys(self.PARTS, 0)
+        return totals
+
+
+def timed(part: str):
+    """Decorate a method of an object with a ``host_time`` (:class:`HostTime`): add its wall time
+    to ``part``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            start = time.perf_counter_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.host_time.add(part, time.perf_counter_ns() - start)
+        return run
+    return wrap
+
+
+def host_time_line(totals: dict[str, int], steps: int) -> str:
+    """``host_us_per_step=T (check a alloc b map c wait d ready e)``: our host time per decode step
+    (steps > 0), by part."""
+    per = {part: ns / 1e3 / steps for part, ns in totals.items()}
+    return (f"host_us_per_step={sum(per.values()):.1f} (" +
+            " ".join(f"{part} {us:.1f}" for part, us in per.items()) + ")")
+
+
 class ResolveStats:
-    def __init__(self, device: torch.device, *, log_interval: int, row_bytes: int, free_counts: Callable[[], FreeCounts]):
+    def __init__(self, device: torch.device, *, log_interval: int, row_bytes: int, free_counts: Callable[[], FreeCounts],
+                 host_time: Optional[HostTime] = None):
+        self.host_time = host_time if host_time is not None else HostTime()
+        """Our host time per part (read and reset at each idle report)."""
+        self._steps_at_report = 0
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         """int64 [2] on the KV device: (selected, misses), incremented in place by the resolver."""
         self._log_interval = log_interval
@@ -119,6 +169,11 @@ class ResolveStats:
             f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
             f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"
         )
+        steps = self._decode_steps - self._steps_at_report
+        self._steps_at_report = self._decode_steps
+        totals = self.host_time.take()
+        if steps:
+            line += f" steps={steps} " + host_time_line(totals, steps)
         if self.residency is not None:
             line += (f" resident={self.residency.count()} admitted_resident={self.residency.admitted_total}"
                      f" demotions={self.residency.demotions_total} promotions=0")

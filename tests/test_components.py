@@ -59,6 +59,34 @@ def test_idle_reports_come_after_fast_path_only_work(gloo_world):
     assert rig.coord.stats.idle_report() is None
 
 
+def test_idle_reports_give_our_host_time_per_decode_step(gloo_world):
+    """The idle line carries the steps since the last report and our host time per step, by
+    part; each report covers only the steps since the previous one."""
+    import re
+
+    rig = Rig(gloo_world)
+    req = Request(uid=3, prompt_len=20)
+    assert rig.prefill(req)
+    rig.stage(req)
+    assert rig.collect() == [req]
+    for _ in range(7):
+        assert rig.decode_step([req])
+    line = rig.coord.stats.idle_report()
+    m = re.search(r"steps=(\d+) host_us_per_step=([\d.]+) \(check ([\d.]+) alloc ([\d.]+) map ([\d.]+) "
+                  r"wait ([\d.]+) ready ([\d.]+)\)", line)
+    assert m, line
+    parts = [float(x) for x in m.groups()[2:]]
+    assert int(m.group(1)) == 7
+    assert all(parts[i] > 0 for i in range(4)), line  # every step ran the check, alloc, map and wait
+    assert abs(float(m.group(2)) - sum(parts)) < 0.2, line
+    for _ in range(3):
+        assert rig.decode_step([req])
+    assert "steps=3 " in rig.coord.stats.idle_report()
+    rig.release(req)
+    line = rig.coord.stats.idle_report()  # activity without decode steps: no host time part
+    assert line is not None and "host_us_per_step" not in line
+
+
 def test_a_leak_is_reported_as_such(gloo_world, caplog):
     rig = Rig(gloo_world)
     req = Request(uid=2, prompt_len=100)

@@ -160,7 +160,8 @@ def test_sweep_on_cpu(cpu_e2e):
         assert row["repeats"] == 2 and len(row["runs"]) == 2, row
         low, high = row["decode_tok_s_spread"]
         assert 0 < low <= row["decode_tok_s"] <= high and row["tpot_ms"] > 0 and row["held"] == row["concurrency"], row
-    assert rows[("none", "realistic", 1)]["miss_rate"] is None
+    assert rows[("none", "realistic", 1)]["miss_rate"] is None and "host_us_per_step" not in rows[("none", "realistic", 1)]
+    assert all(rows[("ours", "realistic", c)]["host_us_per_step"] > 0 for c in (1, 2))  # from the idle reports
     assert all(rows[("ours", "realistic", c)]["miss_rate"] < 0.3 < 0.8 < rows[("ours", "none", c)]["miss_rate"]
                for c in (1, 2))
     assert all(rows[("ours", "realistic", c)]["io_gb_s"] > 0 == rows[("ours_noio", "realistic", c)]["io_gb_s"]

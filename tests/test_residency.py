@@ -230,3 +230,65 @@ def test_a_resident_request_whose_page_cannot_fit_is_demoted_even_if_that_frees_
     rig.allocator.rows.pages.free_pages_(taken)
     rig.release(req)
     assert rig.counts() == rig.initial_counts
+
+
+def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
+    """A decode step of resident requests with no page start and nothing due takes the quiet path
+    (three tensor ops to decide); it must leave exactly the mapping, lengths and write-through
+    schedule of the full path. Two rigs in lockstep, one with the quiet path off, through page
+    starts, write-through, a request leaving, one joining and a demotion under pressure."""
+    from unittest import mock
+
+    from sglang_hisparse.pressure import ResidentDecode
+
+    def state(rig):
+        return (rig.allocator.logical_to_device.clone(), rig.coord.residency.length.clone(),
+                rig.coord.mirror.flush_at.clone(), rig.coord.mirror.mirrored_len.clone())
+
+    rigs = [Rig(gloo_world, device_rows=PAGE * 12, max_reqs=6, top_k=24, residency=True) for _ in range(2)]
+    reqs = [[Request(uid=u, prompt_len=n) for u, n in enumerate((40, 70, 130))] for _ in rigs]
+    late = [Request(uid=9, prompt_len=90) for _ in rigs]
+    quiet_taken, all_resident = [], []
+    original = ResidentDecode.quiet_rows
+
+    def counting(self, *args):
+        rows = original(self, *args)
+        quiet_taken.append(rows is not None)
+        return rows
+
+    def admit(rig, group):
+        for req in group:
+            assert rig.prefill(req)
+            rig.stage(req)
+        assert rig.collect() == group
+
+    for rig, group in zip(rigs, reqs):
+        admit(rig, group)
+    rng = [random.Random(5), random.Random(5)]
+    for step in range(200):
+        if step == 50:
+            for rig, group in zip(rigs, reqs):
+                rig.release(group.pop(0))
+        if step == 80:
+            for rig, group, req in zip(rigs, reqs, late):
+                admit(rig, [req])
+                group.append(req)
+        all_resident.append(all(rigs[0].coord.residency.holds(r.req_pool_idx) for r in reqs[0]))
+        for i, (rig, group) in enumerate(zip(rigs, reqs)):
+            patch = (mock.patch.object(ResidentDecode, "quiet_rows", counting) if i == 0 else
+                     mock.patch.object(ResidentDecode, "quiet_rows", lambda self, *a: None))
+            with patch:
+                assert rig.decode_step(group)
+            for layer in range(rig.layers):
+                rig.resolve_and_check(group, layer, [select(rng[i], r, rig.top_k, 0.6) for r in group])
+        for a, b in zip(state(rigs[0]), state(rigs[1])):
+            assert torch.equal(a, b), step
+    assert rigs[0].coord.residency.demotions_total == rigs[1].coord.residency.demotions_total > 0
+    resident_steps = [q for q, r in zip(quiet_taken, all_resident) if r]
+    assert sum(resident_steps) > 0.8 * len(resident_steps) > 0  # most steps of a resident batch are quiet
+    assert not all(resident_steps)  # page starts and write-through are not
+    assert not any(q for q, r in zip(quiet_taken, all_resident) if not r)  # a hot buffer in the batch: never
+    for rig, group in zip(rigs, reqs):
+        for req in group:
+            rig.release(req)
+        assert rig.counts() == rig.initial_counts

@@ -65,7 +65,8 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
     log_start = len(server.log())
     results = server.generate(batch, new_tokens)
     if ours:
-        wait_for_idle_report(server, after=reports)  # publishes exact totals
+        # the report publishes exact totals and our host time per decode step of this call
+        host_us = wait_for_idle_report(server, after=reports)["host_us_per_step"]
     else:
         e2e.settled_log(server)  # the last step's log line (ours: its idle report comes after it)
     run = decode_stats(parse_batches(server.log()[log_start:]))
@@ -79,6 +80,7 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
         run["miss_rate"] = delta.get("sglang_hisparse_miss_rows_total", 0.0) / selected if selected else None
         decode_s = len(batch) * new_tokens / run["decode_tok_s"]  # approximate: all decode tokens at the pure-step rate
         run["io_gb_s"] = delta.get("sglang_hisparse_copied_bytes_total", 0.0) / decode_s / 1e9
+        run["host_us_per_step"] = host_us
     return run
 
 
@@ -88,13 +90,15 @@ def summarize(impl: str, locality: str, concurrency: int, runs: list[dict], kv_d
     misses = [r["miss_rate"] for r in runs if r.get("miss_rate") is not None]
     io = [r["io_gb_s"] for r in runs if "io_gb_s" in r]
     accepts = [r["accept_length"] for r in runs if "accept_length" in r]
+    host = [r["host_us_per_step"] for r in runs if r.get("host_us_per_step")]
     return {"impl": impl, "locality": locality, "kv_dtype": kv_dtype,
             **({"accept_length": statistics.median(accepts)} if accepts else {}),
             "miss_rate": statistics.median(misses) if misses else None,
             "concurrency": concurrency, "held": max(r["max_running"] for r in runs), "repeats": len(runs),
             "decode_tok_s": statistics.median(rates), "decode_tok_s_spread": [min(rates), max(rates)],
             "tpot_ms": statistics.median(r["tpot_ms"] for r in runs),
-            "io_gb_s": statistics.median(io) if io else None, "runs": runs}
+            "io_gb_s": statistics.median(io) if io else None,
+            **({"host_us_per_step": statistics.median(host)} if host else {}), "runs": runs}
 
 
 def no_pressure_lengths(concurrency: int, buffer: int, seed: int) -> list[int]:

@@ -29,6 +29,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 CPU_STAND_IN = PACKAGE_DIR / "cpu" / "stand_in"
 IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)"
+                       r"(?:.*? steps=(\d+) host_us_per_step=([\d.]+))?"
                        r"(?:.*? resident=(\d+) admitted_resident=(\d+) demotions=(\d+))?")
 
 
@@ -89,8 +90,9 @@ class Server:
                 counts[name] = (int(now), int(initial))
             reports.append({"counts": counts, "leak": m.group(2) == "yes",
                             "selected": int(m.group(3)), "misses": int(m.group(4)),
-                            "resident": int(m.group(5) or 0), "admitted_resident": int(m.group(6) or 0),
-                            "demotions": int(m.group(7) or 0)})
+                            "steps": int(m.group(5) or 0), "host_us_per_step": float(m.group(6) or 0.0),
+                            "resident": int(m.group(7) or 0), "admitted_resident": int(m.group(8) or 0),
+                            "demotions": int(m.group(9) or 0)})
         return reports
 
     def stop(self, grace: float = 20.0) -> None:
