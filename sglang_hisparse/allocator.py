@@ -76,6 +76,12 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self.rows = DeviceRows(size, page_size, device, debug)
         self.logical_to_device = torch.zeros(self.logical_size + page_size + 1, dtype=torch.int64, device=device)
         self.logical_to_device[-1] = -1
+        self.page_resident = torch.zeros(self.logical_to_device.numel() // page_size + 1, dtype=torch.uint8,
+                                         device=device)
+        """Per logical page, 1 while it belongs to a resident request (its ids map to one page of
+        rows, offset for offset): the device pool maps such a page's new ids inside the forward
+        (``HiSparseDevicePool.map_resident_writes``). Set and cleared by ``Residency``; cleared
+        for freed ids."""
         self.hot_buffer_rows = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
@@ -84,6 +90,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self._logical_only = False
         self.host_time = HostTime()
         """Our host time per decode step, by part (shared with the coordinator's stats)."""
+        self.kvcache = kvcache
         kvcache.attach_mapping(self.logical_to_device)
 
     # --- configuration by the coordinator ----------------------------------------------------
@@ -243,6 +250,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
             return
         self.rows.free_unowned(self.logical_to_device[free_index])
         self.logical_to_device[free_index] = 0
+        self.page_resident[free_index // self.page_size] = 0
         self.logical.free_tokens(free_index)
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
@@ -251,6 +259,12 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
     # --- hot buffers (called by the coordinator) ---------------------------------------------
     def device_rows_of(self, logical_ids: torch.Tensor) -> torch.Tensor:
         return self.logical_to_device[logical_ids]
+
+    def resident_rows_of(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of ids on resident pages, from their pages' first ids (mapped by the host): the
+        ids past a page's first may be mapped only by a forward still in flight."""
+        offset = logical_ids % self.page_size
+        return self.logical_to_device[logical_ids - offset] + offset
 
     def take_hot_buffer(self, logical_ids: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
         """Turn a request's device rows into its hot buffer (``DeviceRows.take_hot_buffer``) and
@@ -278,6 +292,14 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
     def map_logical(self, logical_ids: torch.Tensor, rows: torch.Tensor) -> None:
         """Point logical ids at device rows (the token being decoded -> its hot-buffer row)."""
         self.logical_to_device[logical_ids] = rows.to(torch.int64)
+
+    def enable_resident_pages(self) -> None:
+        """Residency is on: the device pool maps resident pages' new ids inside the forward."""
+        self.kvcache.attach_mapping(self.logical_to_device, self.page_resident)
+
+    def mark_resident_pages(self, logical_ids: torch.Tensor, resident: bool) -> None:
+        """Mark the logical pages holding ``logical_ids`` as resident or not (``page_resident``)."""
+        self.page_resident[logical_ids // self.page_size] = int(resident)
 
     def unmap_logical(self, logical_ids: torch.Tensor) -> None:
         self.logical_to_device[logical_ids] = 0

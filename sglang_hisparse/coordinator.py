@@ -128,6 +128,7 @@ class HiSparseCoordinator:
                     capacity_line(self.capacity))
 
     def _enable_residency(self, max_reqs: int, device: torch.device, selections: torch.Tensor) -> None:
+        self.allocator.enable_resident_pages()
         self._resident_decode = ResidentDecode.build(
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
@@ -205,7 +206,7 @@ class HiSparseCoordinator:
         def open_hot() -> bool:
             return self.hot.open(idx, logical, filled=True) is not None
 
-        return open_hot() if self._resident_decode is None else self._resident_decode.enter(idx, n, open_hot)
+        return open_hot() if self._resident_decode is None else self._resident_decode.enter(idx, logical, open_hot)
 
     def admit_request_direct(self, req) -> None:
         """PD decode: the request's KV is already in its host rows. With residency and room, it
@@ -213,6 +214,8 @@ class HiSparseCoordinator:
         from host, long ones start empty and miss on first use)."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self._logical_ids(req, n)
+        if self._resident_decode is not None:
+            self._resident_decode.invalidate_quiet()
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
         if rows is None:
             rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size)
@@ -241,11 +244,8 @@ class HiSparseCoordinator:
         idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
         self.stats.note_decode_step(int(lens.numel()))
         driver = self._resident_decode
-        if driver is not None:
-            rows = driver.quiet_rows(idxs, lens, out_cache_loc)  # most steps of resident batches
-            if rows is not None:
-                self.allocator.map_logical(out_cache_loc, rows)
-                return
+        if driver is not None and driver.quiet_step(idxs, lens):  # most steps of resident batches
+            return
         resident = self.residency.mask(idxs) if driver is not None else None
         self.mirror.write_through_step(idxs, lens, self.device_rows_now, resident=resident,
                                        buffer_size=self.hot.buffer_size)

@@ -49,24 +49,47 @@ class HiSparseDevicePool(DSATokenToKVPool):
         super().__init__(logical_size if self.resident else size, index_buf_size=logical_size, **dsa_pool_args)
         self.row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
         self.logical_to_device: Optional[torch.Tensor] = None
+        self.page_resident: Optional[torch.Tensor] = None
 
-    def attach_mapping(self, logical_to_device: torch.Tensor) -> None:
-        """Called once by the allocator that owns the mapping (never for a resident pool)."""
+    def attach_mapping(self, logical_to_device: torch.Tensor, page_resident: Optional[torch.Tensor] = None) -> None:
+        """Called once by the allocator that owns the mapping and the resident-page marks (never
+        for a resident pool)."""
         assert not self.resident, "a resident pool is indexed by logical id"
         self.logical_to_device = logical_to_device
+        self.page_resident = page_resident
 
     def _rows(self, loc: torch.Tensor) -> torch.Tensor:
         return loc if self.resident else self.logical_to_device[loc]
+
+    def map_resident_writes(self, loc: torch.Tensor) -> None:
+        """Map the ids ``loc`` about to be written that sit on a resident page, past its first id,
+        to their row: the page's first row plus the offset (a resident request's ids and rows run
+        on together within a page). Inside the forward, so a CUDA graph replays it: a decode step
+        of resident requests needs no host work to map its new tokens. Idempotent (ids the host
+        mapped get the same rows); a page's first id is always mapped by the host."""
+        p = self.page_size
+        offset = loc % p
+        on_page = self.page_resident[loc // p].bool() & (offset != 0)
+        l2d = self.logical_to_device
+        l2d[loc] = torch.where(on_page, l2d[loc - offset] + offset, l2d[loc])
+
+    def _write_rows(self, layer, loc: torch.Tensor) -> torch.Tensor:
+        """Rows for a KV write of ``loc``; the first layer's write maps resident pages' new ids."""
+        if self.resident:
+            return loc
+        if self.page_resident is not None and layer.layer_id == self.start_layer:
+            self.map_resident_writes(loc)
+        return self.logical_to_device[loc]
 
     def translate_loc_to_hisparse_device(self, logical_ids: torch.Tensor) -> torch.Tensor:
         """Device rows of logical ids (SGLang's DSA backend translates prefill page tables)."""
         return self._rows(logical_ids)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs):
-        return super().set_kv_buffer(layer, self._rows(loc), cache_k, cache_v, *args, **kwargs)
+        return super().set_kv_buffer(layer, self._write_rows(layer, loc), cache_k, cache_v, *args, **kwargs)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope, *args, **kwargs):
-        rows = self._rows(loc)
+        rows = self._write_rows(layer, loc)
         if self.device_kind != "cuda":
             return self._write_rows_torch(layer.layer_id, rows, cache_k_nope, cache_k_rope)
         return super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope, *args, **kwargs)

@@ -38,9 +38,8 @@ class ResidentDecode:
         self.quiesce = quiesce
         self._last_batch = torch.zeros(0, dtype=torch.int64)
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
-        self._quiet_until = torch.zeros(selections.shape[0], dtype=torch.int64)
-        """Per request slot (CPU), the first ``seq_len`` at which its decode step is not quiet (0:
-        the next one is not): see :meth:`quiet_rows`. Valid while ``_quiet_stamp`` matches."""
+        self._quiet_left = 0
+        """Quiet decode steps left for the batch of the last full step (:meth:`quiet_step`)."""
         self._quiet_stamp: Optional[tuple[int, int]] = None
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
@@ -56,10 +55,12 @@ class ResidentDecode:
         allocator.set_reclaimer(driver.reclaim, residency.reclaimable_rows)
         return driver
 
-    def enter(self, idx: int, n: int, open_hot: Callable[[], bool]) -> bool:
-        """A staged request of ``n`` positions enters decode: resident if the policy allows,
-        else through ``open_hot`` (its hot buffer), demoting resident requests if it does not fit."""
-        if self.residency.admit(idx, n) or open_hot():
+    def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], bool]) -> bool:
+        """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
+        policy allows, else through ``open_hot`` (its hot buffer), demoting resident requests if
+        it does not fit."""
+        self.invalidate_quiet()
+        if self.residency.admit(idx, logical_ids) or open_hot():
             return True
         self.reclaim(self.hot.padded)
         return open_hot()
@@ -116,32 +117,41 @@ class ResidentDecode:
     def _stamp(self) -> tuple[int, int]:
         return self.residency.changes, self.mirror.flush_changes
 
-    def quiet_rows(self, idxs: torch.Tensor, lens: torch.Tensor, out_cache_loc: torch.Tensor) -> Optional[torch.Tensor]:
-        """The newest rows of a *quiet* step, or None when this step is not one.
+    def invalidate_quiet(self) -> None:
+        """A request joins decode: the next step is a full one."""
+        self._quiet_left = 0
+
+    def quiet_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> bool:
+        """Take this decode step as a *quiet* one, if it is: True when done.
 
         A step is quiet when every request in it is resident, none of their newest positions
-        starts a page and none is due for write-through: :meth:`newest_rows` and the
-        write-through would then only extend each request's length and give it the next row of
-        its page. The slow path (:meth:`note_step`) records up to which ``seq_len`` each request
-        stays quiet; a change of residency or of the write-through schedule since then
-        (``_stamp``) makes the step slow. Side effects of a quiet step: ``length`` and the last
-        batch. Three small tensor ops decide it."""
-        if self._quiet_stamp != self._stamp() or not bool((lens < self._quiet_until[idxs]).all()):
-            return None
+        starts a page and none is due for write-through. Then the full path
+        (:meth:`newest_rows`, the write-through) would only extend each request's length and map
+        its new id to the next row of its page, which the device pool does inside the forward
+        (``HiSparseDevicePool.map_resident_writes``, on the page marks). The last full step
+        (:meth:`note_step`) counted how many steps of its batch stay quiet; a request joining
+        (:meth:`invalidate_quiet`) or any change of residency or of the write-through schedule
+        since (``_stamp``) makes the step full. A batch that only lost requests stays quiet (each
+        remaining request is one token further per step). Side effects: ``length``, the last
+        batch. No device work; one CPU tensor op."""
+        if self._quiet_left <= 0 or self._quiet_stamp != self._stamp():
+            return False
+        self._quiet_left -= 1
         self._last_batch = idxs
         self.residency.length[idxs] = lens
-        return self.allocator.logical_to_device[out_cache_loc - 1] + 1
+        return True
 
     def note_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
-        """After a slow step at ``lens`` (int64 CPU) of slots ``idxs``: record up to which
-        ``seq_len`` each resident request's steps stay quiet (before its next page start and
-        before it is next due for write-through; hot-buffer requests: never). Slots not in this
-        batch are reset to never."""
+        """After a full step at ``lens`` (int64 CPU) of slots ``idxs``: count the quiet steps
+        that follow (none unless every request is resident; else until the first request's next
+        page start or write-through)."""
+        self._quiet_left = 0
+        if not bool(self.residency.mask(idxs).all()):
+            return
         p = self.hot.page_size
         next_page_start = ((lens - 1) // p + 1) * p + 1
         until = torch.minimum(next_page_start, self.mirror.flush_at[idxs] + 1)
-        self._quiet_until.zero_()
-        self._quiet_until[idxs] = torch.where(self.residency.mask(idxs), until, 0)
+        self._quiet_left = max(0, int((until - lens).min()) - 1)
         self._quiet_stamp = self._stamp()
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -153,9 +163,9 @@ class ResidentDecode:
         position starts a page, so only then does it demote (policy) until the new rows leave the
         watermark free, and then until they fit at all (requests whose demotion removes a page
         need, :meth:`Residency.short_of_a_page`); the masks are recomputed after a demotion. A
-        resident request's row is the next one of its previous token's page (``logical_to_device
-        [out_cache_loc - 1] + 1``: logical ids, like rows, run on within a page) or a new page's
-        first; a hot buffer's is its slot's. Host work: a few tensor ops for the whole batch and
+        resident request's row is its page's first row plus the offset (logical ids, like rows, run
+        on within a page; ``allocator.resident_rows_of``) or, starting a page, a new page's first
+        row (the page is then marked resident); a hot buffer's is its slot's. Host work: a few tensor ops for the whole batch and
         Python only for requests starting a page."""
         page_start = (lens - 1) % self.hot.page_size == 0
         if bool(page_start.any()):
@@ -173,10 +183,11 @@ class ResidentDecode:
             new_page, pages = self.residency.grow(idxs, lens, page_start)
         else:
             new_page, pages = self.residency.grow(idxs[at], lens[at], page_start[at])
-        own = self.allocator.logical_to_device[out_cache_loc - 1] + 1
+        own = self.allocator.resident_rows_of(out_cache_loc)  # page starts: replaced below
         if pages is not None:
-            where = new_page if at is None else at[new_page]
-            own[where.to(own.device, non_blocking=True)] = pages.to(own.device) * self.hot.page_size
+            where = (new_page if at is None else at[new_page]).to(own.device, non_blocking=True)
+            own[where] = pages.to(own.device) * self.hot.page_size
+            self.allocator.mark_resident_pages(out_cache_loc[where], True)
         if at is None:
             return own
         rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)

@@ -23,10 +23,14 @@ aside for it: its next page comes from the free rows (checked before each decode
 demotions counted as relief: :meth:`Residency.relief`), and demoting it never needs rows (it
 keeps at most ``padded`` of its own).
 
-Invariants, per resident request slot ``idx`` with ``n`` positions on the device:
-``logical_to_device[req_to_token[idx, p]]`` is its row for every ``p < n`` (its rows are mapped,
-not hot-owned, so a logical free releases them); its rows are ``round_up(n, page)`` whole pages;
-``hot.holds(idx)`` is false.
+Invariants, per resident request slot ``idx`` with ``n`` positions on the device: its rows are
+``round_up(n, page)`` whole pages, not hot-owned (a logical free releases them); its logical pages
+are marked in ``allocator.page_resident``; the first id of each of its pages is mapped by the host
+to the page's first row, and ``logical_to_device[req_to_token[idx, p]]`` is the row of every
+``p < n`` once the forward that wrote ``p`` ran (the device pool maps ids past a page's first
+inside the forward: quiet steps); host code reads resident rows from page starts
+(``allocator.resident_rows_of``) or after waiting for the forward in flight; ``hot.holds(idx)`` is
+false.
 """
 
 from __future__ import annotations
@@ -181,12 +185,13 @@ class Residency:
         return chosen
 
     # --- into residency ----------------------------------------------------------------------
-    def admit(self, idx: int, n: int) -> bool:
-        """Keep request slot ``idx``'s ``n`` mapped prefill positions on the device, if the policy
-        allows (its rows are already held). Side effect when it does: the flag set."""
+    def admit(self, idx: int, logical_ids: torch.Tensor) -> bool:
+        """Keep request slot ``idx``'s mapped prefill positions (``logical_ids``, positions
+        ``0..n-1``, page aligned from 0) on the device, if the policy allows (its rows are already
+        held). Side effects when it does: the flag set, its logical pages marked resident."""
         if not self.policy.admits(self.allocator.rows.room()):
             return False
-        self._enter(idx, n)
+        self._enter(idx, logical_ids)
         return True
 
     def admit_loaded(self, idx: int, logical_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -199,19 +204,21 @@ class Residency:
             return None
         rows = self.allocator.rows.pages.alloc_tokens(rows_needed)[:n]
         self.allocator.map_logical(logical_ids, rows)
-        self._enter(idx, n)
+        self._enter(idx, logical_ids)
         return rows
 
-    def _enter(self, idx: int, n: int) -> None:
-        self._set_length(idx, n)
+    def _enter(self, idx: int, logical_ids: torch.Tensor) -> None:
+        self._set_length(idx, logical_ids.numel())
         self.flags[idx] = 1
+        self.allocator.mark_resident_pages(logical_ids[:: self.page_size], True)
         self.admitted_total += 1
 
     # --- decode ------------------------------------------------------------------------------
     def own_rows(self, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device rows (int64) of resident requests' ``positions``: their mapped logical ids'
-        rows (``req_to_token`` is SGLang's position -> logical id table)."""
-        return self.allocator.logical_to_device[req_to_token[req_pool_idx, positions].to(torch.int64)]
+        rows (``req_to_token`` is SGLang's position -> logical id table), from their pages' first
+        rows (the others may be mapped only by a forward in flight: quiet steps)."""
+        return self.allocator.resident_rows_of(req_to_token[req_pool_idx, positions].to(torch.int64))
 
     def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor,
              page_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -255,7 +262,7 @@ class Residency:
             assert opened is not None, "a resident request's own pages did not make its hot buffer"
         else:
             self._demote_long(idx, logical_ids, selected_rows)
-        self._leave(idx)
+        self._leave(idx, logical_ids)
         self.demotions_total += 1
 
     def _demote_long(self, idx: int, logical_ids: torch.Tensor, selected_rows: Optional[torch.Tensor]) -> None:
@@ -279,8 +286,9 @@ class Residency:
         if idx not in self._members:
             return
         self.allocator.free_prefill_rows(logical_ids)
-        self._leave(idx)
+        self._leave(idx, logical_ids)
 
-    def _leave(self, idx: int) -> None:
+    def _leave(self, idx: int, logical_ids: torch.Tensor) -> None:
         self._set_length(idx, None)
         self.flags[idx] = 0
+        self.allocator.mark_resident_pages(logical_ids[:: self.page_size], False)

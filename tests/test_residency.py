@@ -233,28 +233,30 @@ def test_a_resident_request_whose_page_cannot_fit_is_demoted_even_if_that_frees_
 
 
 def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
-    """A decode step of resident requests with no page start and nothing due takes the quiet path
-    (three tensor ops to decide); it must leave exactly the mapping, lengths and write-through
-    schedule of the full path. Two rigs in lockstep, one with the quiet path off, through page
-    starts, write-through, a request leaving, one joining and a demotion under pressure."""
+    """A decode step of resident requests with no page start and nothing due is quiet: no host
+    mapping, no device work; the device pool maps the new ids on the first layer's KV write. It
+    must leave exactly the mapping, lengths and write-through schedule of the full path. Two rigs
+    in lockstep, one with quiet steps off, through page starts, write-through, a request leaving,
+    one joining and a demotion under pressure; every selection is checked against the true KV."""
     from unittest import mock
 
     from sglang_hisparse.pressure import ResidentDecode
 
     def state(rig):
         return (rig.allocator.logical_to_device.clone(), rig.coord.residency.length.clone(),
-                rig.coord.mirror.flush_at.clone(), rig.coord.mirror.mirrored_len.clone())
+                rig.coord.mirror.flush_at.clone(), rig.coord.mirror.mirrored_len.clone(),
+                rig.allocator.page_resident.clone())
 
     rigs = [Rig(gloo_world, device_rows=PAGE * 12, max_reqs=6, top_k=24, residency=True) for _ in range(2)]
     reqs = [[Request(uid=u, prompt_len=n) for u, n in enumerate((40, 70, 130))] for _ in rigs]
     late = [Request(uid=9, prompt_len=90) for _ in rigs]
     quiet_taken, all_resident = [], []
-    original = ResidentDecode.quiet_rows
+    original = ResidentDecode.quiet_step
 
     def counting(self, *args):
-        rows = original(self, *args)
-        quiet_taken.append(rows is not None)
-        return rows
+        quiet = original(self, *args)
+        quiet_taken.append(quiet)
+        return quiet
 
     def admit(rig, group):
         for req in group:
@@ -275,8 +277,8 @@ def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
                 group.append(req)
         all_resident.append(all(rigs[0].coord.residency.holds(r.req_pool_idx) for r in reqs[0]))
         for i, (rig, group) in enumerate(zip(rigs, reqs)):
-            patch = (mock.patch.object(ResidentDecode, "quiet_rows", counting) if i == 0 else
-                     mock.patch.object(ResidentDecode, "quiet_rows", lambda self, *a: None))
+            patch = (mock.patch.object(ResidentDecode, "quiet_step", counting) if i == 0 else
+                     mock.patch.object(ResidentDecode, "quiet_step", lambda self, *a: False))
             with patch:
                 assert rig.decode_step(group)
             for layer in range(rig.layers):
@@ -292,3 +294,20 @@ def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
         for req in group:
             rig.release(req)
         assert rig.counts() == rig.initial_counts
+        assert not rig.allocator.page_resident.any()  # no page is marked once every request left
+
+
+def test_the_device_pool_maps_only_resident_pages_past_their_first_id(gloo_world):
+    """``map_resident_writes``: an id on a marked page, not its first, gets the page's first row
+    plus its offset; ids on unmarked pages and first ids keep their mapping; idempotent."""
+    rig = Rig(gloo_world, residency=True)
+    l2d, marks, pool = rig.allocator.logical_to_device, rig.allocator.page_resident, rig.pool
+    before = l2d.clone()
+    l2d[5 * PAGE] = 7 * PAGE  # a resident page's first id, mapped by the host
+    l2d[6 * PAGE] = 9 * PAGE  # an unmarked page
+    marks[5] = 1
+    loc = torch.tensor([5 * PAGE, 5 * PAGE + 3, 5 * PAGE + PAGE - 1, 6 * PAGE + 2, 0])
+    for _ in range(2):
+        pool.map_resident_writes(loc)
+        assert l2d[5 * PAGE + 3] == 7 * PAGE + 3 and l2d[5 * PAGE + PAGE - 1] == 7 * PAGE + PAGE - 1
+        assert l2d[5 * PAGE] == 7 * PAGE and l2d[6 * PAGE + 2] == before[6 * PAGE + 2] and l2d[0] == before[0]
