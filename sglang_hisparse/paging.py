@@ -114,13 +114,14 @@ class PageAllocator:
         id of a new page where the position starts one. Returns None (nothing taken) when too few
         pages are free. The same ids as :meth:`extend` with prefix ``seq_len - 1``, in a few device
         ops and without waiting for the device (a decode step's hot path)."""
-        starts = ((seq_lens - 1) % self.page_size == 0).nonzero().view(-1)
-        pages = self.alloc_pages(starts.numel())
-        if pages is None:
+        p = self.page_size
+        starts = [i for i, n in enumerate(seq_lens.tolist()) if (n - 1) % p == 0]  # Python: a few per step
+        pages = self.alloc_pages(len(starts)) if starts else None
+        if starts and pages is None:
             return None
         ids = last_loc.to(torch.int64) + 1
-        if starts.numel():
-            ids[starts.to(ids.device, non_blocking=True)] = pages * self.page_size
+        if starts:
+            ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = pages * p
         return ids
 
 
