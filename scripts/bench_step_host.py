@@ -14,12 +14,13 @@ A fake batch is admitted the PD way (logical ids and host rows, no prefill; garb
 request of 128k tokens costs no prefill. Host work must not grow with the context length or the
 layer count: ``tests/test_step_host_work.py`` runs :func:`step_host_us` with generous bounds.
 
-    python scripts/bench_step_host.py [--out docs/results/step_host.json]
+    python scripts/bench_step_host.py [--out docs/results/step_host.json] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -87,6 +88,8 @@ def step_host_us(group, *, batch: int, context: int, layers: int, residency: boo
         for r in reqs:
             rig.release(r)
         assert rig.counts() == rig.initial_counts
+    del rig, reqs
+    gc.collect()  # the next cell's pools need the memory back
     return statistics.median(times) * 1e6
 
 
@@ -102,6 +105,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("--layers", default="2,8")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measure each cell this many times and keep the lowest median (a shared machine's noise only adds)")
     args = p.parse_args()
     group = init_group()
     torch.set_num_threads(1)
@@ -116,7 +121,8 @@ def main() -> int:
                     continue
                 cell = {"layers": layers, "batch": batch, "context": context}
                 for residency in (True, False):
-                    us = step_host_us(group, batch=batch, context=context, layers=layers, residency=residency)
+                    us = min(step_host_us(group, batch=batch, context=context, layers=layers, residency=residency)
+                             for _ in range(args.repeats))
                     cell["resident_us" if residency else "hot_us"] = round(us, 1)
                 rows.append(cell)
                 print(f"{layers} | {batch} | {context} | {cell['resident_us']:.0f} | {cell['hot_us']:.0f}", flush=True)
