@@ -80,8 +80,8 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
                                          device=device)
         """Per logical page, 1 while it belongs to a resident request (its ids map to one page of
         rows, offset for offset): the device pool maps such a page's new ids inside the forward
-        (``HiSparseDevicePool.map_resident_writes``). Set and cleared by ``Residency``; cleared
-        for freed ids."""
+        (``HiSparseDevicePool.map_resident_writes``). Set and cleared by ``Residency`` only (a
+        resident request leaves residency before SGLang frees its ids)."""
         self.hot_buffer_rows = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
@@ -250,7 +250,6 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
             return
         self.rows.free_unowned(self.logical_to_device[free_index])
         self.logical_to_device[free_index] = 0
-        self.page_resident[free_index // self.page_size] = 0
         self.logical.free_tokens(free_index)
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
