@@ -62,14 +62,14 @@ def cpu_e2e(tmp_path, monkeypatch):
 def test_exactness_rows_on_cpu(cpu_e2e):
     tmp_path, started, _ = cpu_e2e
     args = e2e.build_parser().parse_args([
-        "exactness", "--configs", "ours:128:0:lockstep,ours:128:0:arrival,none:128:0:lockstep", "--ratio", "2",
+        "exactness", "--configs", "ours_hot:128:0:lockstep,ours:128:0:arrival,none:128:0:lockstep", "--ratio", "2",
         "--budget-s", "3000", "--new-tokens", "24", "--max-total-tokens", "16384", "--max-running", "8",
         "--out", str(tmp_path / "x.json")])
     rows = e2e.exactness(args)["exactness"]
     assert [r.get("error") for r in rows] == [None, None, None], rows
     lockstep, arrival, repeat = rows
     # one baseline per (graph, workload); a repeated baseline gets its own log
-    assert started == ["none_B128_g0_lockstep", "ours_B128_g0_lockstep_0", "none_B128_g0_arrival",
+    assert started == ["none_B128_g0_lockstep", "ours_hot_B128_g0_lockstep_0", "none_B128_g0_arrival",
                        "ours_B128_g0_arrival_1", "none_B128_g0_lockstep_2"]
     assert lockstep["sequences"] == 7 and arrival["sequences"] == 6  # all 7 / all but the aborted one
     assert lockstep["identical"] == 7 and repeat["identical"] == 7
@@ -77,9 +77,9 @@ def test_exactness_rows_on_cpu(cpu_e2e):
     assert lockstep["decode_trace"].endswith(lockstep["baseline_decode_trace"].split(" ", 1)[1])
     assert arrival["aborted_finish"][0]["type"] == "abort"
     assert arrival["digests"]["w2-1"] is not None  # the aborted request returned its tokens so far
-    for row in (lockstep, arrival):
-        report = row["idle_report"]
-        assert not report["leak"] and report["misses"] > 0, report
+    hot, default = lockstep["idle_report"], arrival["idle_report"]
+    assert not hot["leak"] and hot["misses"] > 0, hot  # hot buffers: selections copied from host
+    assert not default["leak"] and default["admitted_resident"] >= 6 and default["misses"] == 0, default  # residency
     assert json.loads(Path(args.out).read_text())["exactness"][2]["identical"] == 7
 
 
@@ -105,11 +105,11 @@ def test_model_no_overlap_and_wait_for_staging_reach_the_servers_and_the_rows(cp
 def test_throughput_rows_on_cpu(cpu_e2e):
     tmp_path, _, _ = cpu_e2e
     args = e2e.build_parser().parse_args([
-        "throughput", "--impls", "none,ours", "--concurrency", "1,3", "--context", "400", "--new-tokens", "12",
+        "throughput", "--impls", "none,ours_hot", "--concurrency", "1,3", "--context", "400", "--new-tokens", "12",
         "--buffer", "128", "--ratio", "2", "--max-total-tokens", "16384", "--budget-s", "3000",
         "--out", str(tmp_path / "t.json")])
     rows = e2e.throughput(args)["throughput"]
-    assert [(r["impl"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 3), ("ours", 1), ("ours", 3)]
+    assert [(r["impl"], r["concurrency"]) for r in rows] == [("none", 1), ("none", 3), ("ours_hot", 1), ("ours_hot", 3)]
     for r in rows:
         assert r["max_running"] == r["concurrency"] and r["decode_steps"] >= 9, r
         assert r["decode_tok_s"] > 0 and r["tpot_ms"] > 0

@@ -393,7 +393,7 @@ def throughput(args) -> dict:
                 t2 = time.time()
                 decode_s = max((t2 - t1) - (t1 - t0), 1e-6)
                 miss_rate = None
-                if impl == "ours":
+                if impl in OURS:  # every plugin impl logs an idle report (miss rate None when nothing was selected)
                     rep = wait_for_idle_report(server, after=before)
                     miss_rate = rep["misses"] / rep["selected"] if rep["selected"] else None
                 else:
