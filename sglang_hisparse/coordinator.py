@@ -214,8 +214,9 @@ class HiSparseCoordinator:
         from host, long ones start empty and miss on first use)."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self._logical_ids(req, n)
+        if self._resident_decode is not None:
+            self._resident_decode.invalidate_quiet()
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
-        resident = rows is not None
         if rows is None:
             rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size)
             if rows is None:
@@ -227,8 +228,6 @@ class HiSparseCoordinator:
         if rows is not None:
             self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows)
         self.mirror.mark_complete(idx, n)
-        if resident:
-            self.mirror.due_at_page_starts(idx, n)
         self.stats.note_activity()
 
     # --- decode steps ------------------------------------------------------------------------
@@ -245,7 +244,7 @@ class HiSparseCoordinator:
         idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
         self.stats.note_decode_step(int(lens.numel()))
         driver = self._resident_decode
-        if driver is not None and driver.resident_step(idxs, lens, out_cache_loc):  # batches of resident requests
+        if driver is not None and driver.quiet_step(idxs, lens):  # most steps of resident batches
             return
         resident = self.residency.mask(idxs) if driver is not None else None
         self.mirror.write_through_step(idxs, lens, self.device_rows_now, resident=resident,
@@ -254,6 +253,7 @@ class HiSparseCoordinator:
             rows = self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         else:
             rows = driver.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, resident)
+            driver.note_step(idxs, lens)
         self.allocator.map_logical(out_cache_loc, rows)
 
     @timed("check")

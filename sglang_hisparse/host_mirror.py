@@ -65,6 +65,9 @@ class HostMirror:
         self.flush_at = torch.zeros(max_reqs, dtype=torch.int64)
         """int64 [max_reqs] (CPU): the position count (``seq_len - 1``) at which each decoding
         request's pending positions are next due (:meth:`write_through_step`)."""
+        self.flush_changes = 0
+        """Counts the writes of ``flush_at`` outside :meth:`write_through_step` (staging, PD, a
+        forced write-through), which may make a request due sooner."""
         self.producer_stream: Optional[Any] = None
         self._staging_lane = CopyLane(device)
         self._write_lane = CopyLane(device)
@@ -89,6 +92,7 @@ class HostMirror:
         )
         self.mirrored_len[idx] = n
         self.flush_at[idx] = n + 1
+        self.flush_changes += 1
         self._staged.append(_Staged(req, fence))
 
     def staged_count(self) -> int:
@@ -126,14 +130,7 @@ class HostMirror:
         """The KV of positions ``0..n-1`` reached host rows by other means (PD transfer)."""
         self.mirrored_len[req_pool_idx] = n_tokens
         self.flush_at[req_pool_idx] = n_tokens + 1
-
-    def due_at_page_starts(self, req_pool_idx: int, n_tokens: int) -> None:
-        """A request whose rows stay put (resident) with ``n_tokens`` positions mirrored: its
-        pending positions are next due at its next page start, and then at every page start
-        (:meth:`write_through_step` keeps it so), so a step none of whose newest positions starts
-        a page has nothing due among such requests."""
-        page = self.pool.page_size
-        self.flush_at[req_pool_idx] = (n_tokens // page + 1) * page
+        self.flush_changes += 1
 
     # --- write-through -----------------------------------------------------------------------
     def write_through(
@@ -150,6 +147,7 @@ class HostMirror:
         end = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
         self._copy(idx, end, device_rows_of, urgent=True)
         self.flush_at[idx] = end + 1
+        self.flush_changes += 1
 
     def write_through_step(
         self,
@@ -182,7 +180,7 @@ class HostMirror:
         self._copy(idx, end, device_rows_of, urgent=bool(((end - 1 >= buffer_size) & ~stays).any()))
         page = self.pool.page_size
         hot_next = torch.minimum(end + page, torch.clamp(end + 1, min=buffer_size + 1))
-        self.flush_at[idx] = torch.where(stays, (end // page + 1) * page, hot_next)
+        self.flush_at[idx] = torch.where(stays, end + page, hot_next)
 
     def _copy(self, idx: torch.Tensor, end: torch.Tensor, device_rows_of, *, urgent: bool) -> None:
         """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64 CPU

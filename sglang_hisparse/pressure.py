@@ -38,6 +38,9 @@ class ResidentDecode:
         self.quiesce = quiesce
         self._last_batch = torch.zeros(0, dtype=torch.int64)
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
+        self._quiet_left = 0
+        """Quiet decode steps left for the batch of the last full step (:meth:`quiet_step`)."""
+        self._quiet_stamp: Optional[tuple[int, int]] = None
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -56,10 +59,8 @@ class ResidentDecode:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
         policy allows, else through ``open_hot`` (its hot buffer), demoting resident requests if
         it does not fit."""
-        if self.residency.admit(idx, logical_ids):
-            self.mirror.due_at_page_starts(idx, logical_ids.numel())
-            return True
-        if open_hot():
+        self.invalidate_quiet()
+        if self.residency.admit(idx, logical_ids) or open_hot():
             return True
         self.reclaim(self.hot.padded)
         return open_hot()
@@ -113,38 +114,45 @@ class ResidentDecode:
                 self.demote(idx)
         return residency.demotions_total != demotions
 
-    def resident_step(self, idxs: torch.Tensor, lens: torch.Tensor, out_cache_loc: torch.Tensor) -> bool:
-        """A one-token decode step of a batch whose requests are all resident; False (nothing
-        changed) when one is not, or a demotion made one not: the caller takes the full path.
+    def _stamp(self) -> tuple[int, int]:
+        return self.residency.changes, self.mirror.flush_changes
 
-        Only requests whose newest position starts a page need the host: pressure relief, their
-        write-through (due exactly there: :meth:`HostMirror.due_at_page_starts`), a page of free
-        rows each, the mapping of the page's first id and the page's resident mark. Every other
-        request's new id is mapped inside the forward (``HiSparseDevicePool.map_resident_writes``).
-        So a step with no page start costs Python over the batch and one CPU tensor op (the
-        lengths), and a step with some a few tensor ops for them."""
-        residency = self.residency
-        idx_list = idxs.tolist()
-        if not residency.holds_all(idx_list):
+    def invalidate_quiet(self) -> None:
+        """A request joins decode: the next step is a full one."""
+        self._quiet_left = 0
+
+    def quiet_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> bool:
+        """Take this decode step as a *quiet* one, if it is: True when done.
+
+        A step is quiet when every request in it is resident, none of their newest positions
+        starts a page and none is due for write-through. Then the full path
+        (:meth:`newest_rows`, the write-through) would only extend each request's length and map
+        its new id to the next row of its page, which the device pool does inside the forward
+        (``HiSparseDevicePool.map_resident_writes``, on the page marks). The last full step
+        (:meth:`note_step`) counted how many steps of its batch stay quiet; a request joining
+        (:meth:`invalidate_quiet`) or any change of residency or of the write-through schedule
+        since (``_stamp``) makes the step full. A batch that only lost requests stays quiet (each
+        remaining request is one token further per step). Side effects: ``length``, the last
+        batch. No device work; one CPU tensor op."""
+        if self._quiet_left <= 0 or self._quiet_stamp != self._stamp():
             return False
-        p = self.hot.page_size
-        len_list = lens.tolist()
-        starts = [b for b, n in enumerate(len_list) if (n - 1) % p == 0]
-        if starts:
-            at_page_start = [(idx_list[b], len_list[b]) for b in starts]
-            if self._relieve(at_page_start):
-                return False  # some request is now a hot buffer
-            sub = torch.tensor(starts, dtype=torch.int64)
-            self.mirror.write_through_step(idxs[sub], lens[sub], self.rows_now,
-                                           resident=torch.ones(len(starts), dtype=torch.bool),
-                                           buffer_size=self.hot.buffer_size)
-            pages = residency.grow_pages(at_page_start)
-            ids = out_cache_loc[sub.to(out_cache_loc.device, non_blocking=True)]
-            self.allocator.map_logical(ids, pages.to(ids.device) * p)
-            self.allocator.mark_resident_pages(ids, True)
-        residency.length[idxs] = lens
+        self._quiet_left -= 1
         self._last_batch = idxs
+        self.residency.length[idxs] = lens
         return True
+
+    def note_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
+        """After a full step at ``lens`` (int64 CPU) of slots ``idxs``: count the quiet steps
+        that follow (none unless every request is resident; else until the first request's next
+        page start or write-through)."""
+        self._quiet_left = 0
+        if not bool(self.residency.mask(idxs).all()):
+            return
+        p = self.hot.page_size
+        next_page_start = ((lens - 1) // p + 1) * p + 1
+        until = torch.minimum(next_page_start, self.mirror.flush_at[idxs] + 1)
+        self._quiet_left = max(0, int((until - lens).min()) - 1)
+        self._quiet_stamp = self._stamp()
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ Invariants, per resident request slot ``idx`` with ``n`` positions on the device
 are marked in ``allocator.page_resident``; the first id of each of its pages is mapped by the host
 to the page's first row, and ``logical_to_device[req_to_token[idx, p]]`` is the row of every
 ``p < n`` once the forward that wrote ``p`` ran (the device pool maps ids past a page's first
-inside the forward); host code reads resident rows from page starts
+inside the forward: quiet steps); host code reads resident rows from page starts
 (``allocator.resident_rows_of``) or after waiting for the forward in flight; ``hot.holds(idx)`` is
 false.
 """
@@ -93,6 +93,9 @@ class Residency:
         self.length = torch.zeros(max_reqs, dtype=torch.int64)
         """Per request slot, the positions a resident request has on the device (0: not resident)."""
         self._members: set[int] = set()
+        self.changes = 0
+        """Counts every change of membership or of a slot's page count (:meth:`_set_length`): a
+        reader that cached something derived from them compares it (``ResidentDecode``'s quiet steps)."""
         self._reclaimable_total = 0
         """Sum of :meth:`reclaimable` (kept up to date on every change of ``length``)."""
         self.admitted_total = 0
@@ -104,11 +107,6 @@ class Residency:
 
     def count(self) -> int:
         return len(self._members)
-
-    def holds_all(self, idxs: list[int]) -> bool:
-        """Are all these request slots resident (Python, no tensor op)?"""
-        members = self._members
-        return all(idx in members for idx in idxs)
 
     def length_of(self, idx: int) -> int:
         """Positions resident slot ``idx`` has on the device."""
@@ -134,6 +132,7 @@ class Residency:
     def _set_length(self, idx: int, n: Optional[int]) -> None:
         """The writer of one slot's ``length`` (None: the slot leaves), keeping the reclaimable
         total and the members (:meth:`grow` updates many slots at once)."""
+        self.changes += 1
         if idx in self._members:
             self._reclaimable_total -= self._over_padded(int(self.length[idx]))
         if n is None:
@@ -218,7 +217,7 @@ class Residency:
     def own_rows(self, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device rows (int64) of resident requests' ``positions``: their mapped logical ids'
         rows (``req_to_token`` is SGLang's position -> logical id table), from their pages' first
-        rows (the others may be mapped only by a forward in flight)."""
+        rows (the others may be mapped only by a forward in flight: quiet steps)."""
         return self.allocator.resident_rows_of(req_to_token[req_pool_idx, positions].to(torch.int64))
 
     def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor,
@@ -246,22 +245,6 @@ class Residency:
                 self._set_length(idx, seq_len)
         self.length[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
         return new_page, pages
-
-    def grow_pages(self, at_page_start: list[tuple[int, int]]) -> torch.Tensor:
-        """Resident requests ``(slot, seq_len)`` whose newest position ``seq_len - 1`` starts a
-        page take a page of free rows each; returns the pages (int64, in that order). The caller
-        made sure they are free (:meth:`rows_needed`), maps the new ids and sets the other
-        requests' lengths."""
-        pages = self.allocator.rows.pages.alloc_pages(len(at_page_start))
-        if pages is None:
-            raise HiSparsePluginError(
-                f"sglang-hisparse: no free device rows for the next page of {len(at_page_start)} resident "
-                f"request(s) ({self.allocator.debug_print()}); the decode memory check should have retracted "
-                "a request")
-        for idx, seq_len in at_page_start:
-            assert seq_len == self.length_of(idx) + 1, "a resident request grows one token per step"
-            self._set_length(idx, seq_len)
-        return pages
 
     # --- out of residency --------------------------------------------------------------------
     def demote(self, idx: int, logical_ids: torch.Tensor, selected_rows: Optional[torch.Tensor]) -> None:

@@ -232,13 +232,12 @@ def test_a_resident_request_whose_page_cannot_fit_is_demoted_even_if_that_frees_
     assert rig.counts() == rig.initial_counts
 
 
-def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
-    """A decode step of a batch of resident requests maps nothing on the host but the first id
-    of each new page (the device pool maps the others on the first layer's KV write) and writes
-    through only at page starts. It must leave exactly the mapping, lengths, write-through
-    schedule and page marks of the full path. Two rigs in lockstep, one with the resident step
-    off, through page starts, write-through, a request leaving, one joining and a demotion under
-    pressure; every selection is checked against the true KV."""
+def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
+    """A decode step of resident requests with no page start and nothing due is quiet: no host
+    mapping, no device work; the device pool maps the new ids on the first layer's KV write. It
+    must leave exactly the mapping, lengths and write-through schedule of the full path. Two rigs
+    in lockstep, one with quiet steps off, through page starts, write-through, a request leaving,
+    one joining and a demotion under pressure; every selection is checked against the true KV."""
     from unittest import mock
 
     from sglang_hisparse.pressure import ResidentDecode
@@ -251,13 +250,13 @@ def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
     rigs = [Rig(gloo_world, device_rows=PAGE * 12, max_reqs=6, top_k=24, residency=True) for _ in range(2)]
     reqs = [[Request(uid=u, prompt_len=n) for u, n in enumerate((40, 70, 130))] for _ in rigs]
     late = [Request(uid=9, prompt_len=90) for _ in rigs]
-    taken, all_resident = [], []
-    original = ResidentDecode.resident_step
+    quiet_taken, all_resident = [], []
+    original = ResidentDecode.quiet_step
 
     def counting(self, *args):
-        handled = original(self, *args)
-        taken.append(handled)
-        return handled
+        quiet = original(self, *args)
+        quiet_taken.append(quiet)
+        return quiet
 
     def admit(rig, group):
         for req in group:
@@ -278,8 +277,8 @@ def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
                 group.append(req)
         all_resident.append(all(rigs[0].coord.residency.holds(r.req_pool_idx) for r in reqs[0]))
         for i, (rig, group) in enumerate(zip(rigs, reqs)):
-            patch = (mock.patch.object(ResidentDecode, "resident_step", counting) if i == 0 else
-                     mock.patch.object(ResidentDecode, "resident_step", lambda self, *a: False))
+            patch = (mock.patch.object(ResidentDecode, "quiet_step", counting) if i == 0 else
+                     mock.patch.object(ResidentDecode, "quiet_step", lambda self, *a: False))
             with patch:
                 assert rig.decode_step(group)
             for layer in range(rig.layers):
@@ -287,9 +286,10 @@ def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
         for a, b in zip(state(rigs[0]), state(rigs[1])):
             assert torch.equal(a, b), step
     assert rigs[0].coord.residency.demotions_total == rigs[1].coord.residency.demotions_total > 0
-    resident_steps = [t for t, r in zip(taken, all_resident) if r]
-    assert len(resident_steps) > 50 and sum(resident_steps) >= len(resident_steps) - 1  # (- the demoting step)
-    assert not any(t for t, r in zip(taken, all_resident) if not r)  # a hot buffer in the batch: the full path
+    resident_steps = [q for q, r in zip(quiet_taken, all_resident) if r]
+    assert sum(resident_steps) > 0.8 * len(resident_steps) > 0  # most steps of a resident batch are quiet
+    assert not all(resident_steps)  # page starts and write-through are not
+    assert not any(q for q, r in zip(quiet_taken, all_resident) if not r)  # a hot buffer in the batch: never
     for rig, group in zip(rigs, reqs):
         for req in group:
             rig.release(req)
