@@ -64,6 +64,9 @@ FRAGMENTS = [
     ("gpu_run58/map_exact.json", None),
     # fourteenth session: the new default (residency on, rows charged as held, growth from free rows)
     ("gpu_run61/exact_default.json", None),
+    # fifteenth session: resident pages mapped inside the forward (quiet decode steps)
+    ("gpu_run63/exact_default.json", None),
+    ("gpu_run64/exact_default.json", None),  # the page-start-only resident step (reverted: slower)
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -75,6 +78,12 @@ WORKLOADS = {
     "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
+    "gpu_run63": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
+                 "--max-total-tokens 262144 --budget-s 300 --out $OUT/exact_default.json + sweep ... (the no-pressure "
+                 "point: docs/results/gpu_run63/run.md)",
+    "gpu_run64": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
+                 "--max-total-tokens 262144 --budget-s 240 --out $OUT/exact_default.json + sweep ... "
+                 "(docs/results/gpu_run64/run.md)",
     "gpu_run61": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
                  "--max-total-tokens 262144 --budget-s 330 --out $OUT/exact_default.json + sweep ... (the no-pressure "
                  "point: docs/results/gpu_run61/run.md)",
