@@ -147,25 +147,28 @@ def test_sweep_on_cpu(cpu_e2e):
 
     tmp_path, started, _ = cpu_e2e
     args = sweep.build_parser().parse_args([
-        "--points", "none:realistic,ours:realistic,ours_noio:realistic,ours:none", "--concurrency", "1,2",
+        "--points", "none:realistic,ours_hot:realistic,ours_noio:realistic,ours_hot:none,ours:realistic",
+        "--concurrency", "1,2",
         "--context", "1500", "--new-tokens", "24", "--repeats", "2", "--buffer", "128", "--ratio", "2",
         "--max-total-tokens", "32768", "--timing-context", "300", "--timing-new-tokens", "8", "--budget-s", "3000",
         "--out", str(tmp_path / "sweep.json")])
     result = sweep.sweep(args)
     assert result["skipped"] == [], result["skipped"]
     rows = {(r["impl"], r["locality"], r["concurrency"]): r for r in result["rows"]}
-    assert sorted(rows) == sorted((i, l, c) for i, l in [("none", "realistic"), ("ours", "realistic"),
-                                                          ("ours_noio", "realistic"), ("ours", "none")] for c in (1, 2))
+    assert sorted(rows) == sorted((i, l, c) for i, l in [("none", "realistic"), ("ours_hot", "realistic"),
+                                                          ("ours_noio", "realistic"), ("ours_hot", "none"),
+                                                          ("ours", "realistic")] for c in (1, 2))
     for row in rows.values():
         assert row["repeats"] == 2 and len(row["runs"]) == 2, row
         low, high = row["decode_tok_s_spread"]
         assert 0 < low <= row["decode_tok_s"] <= high and row["tpot_ms"] > 0 and row["held"] == row["concurrency"], row
     assert rows[("none", "realistic", 1)]["miss_rate"] is None and "host_us_per_step" not in rows[("none", "realistic", 1)]
-    assert all(rows[("ours", "realistic", c)]["host_us_per_step"] > 0 for c in (1, 2))  # from the idle reports
-    assert all(rows[("ours", "realistic", c)]["miss_rate"] < 0.3 < 0.8 < rows[("ours", "none", c)]["miss_rate"]
+    assert all(rows[(impl, "realistic", c)]["host_us_per_step"] > 0 for impl in ("ours", "ours_hot") for c in (1, 2))
+    assert all(rows[("ours_hot", "realistic", c)]["miss_rate"] < 0.3 < 0.8 < rows[("ours_hot", "none", c)]["miss_rate"]
                for c in (1, 2))
-    assert all(rows[("ours", "realistic", c)]["io_gb_s"] > 0 == rows[("ours_noio", "realistic", c)]["io_gb_s"]
+    assert all(rows[("ours_hot", "realistic", c)]["io_gb_s"] > 0 == rows[("ours_noio", "realistic", c)]["io_gb_s"]
                for c in (1, 2))
+    assert all(rows[("ours", "realistic", c)]["miss_rate"] is None for c in (1, 2))  # the default: resident, nothing selected
     assert [t["concurrency"] for t in result["layer_timing"]] == [1, 2]
     assert all(t["per_layer_ms"] == t["tpot_ms"] / result["layers"] > 0 for t in result["layer_timing"])
     assert json.loads((tmp_path / "sweep.json").read_text())["rows"][0]["impl"] == "none"
