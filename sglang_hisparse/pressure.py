@@ -165,8 +165,8 @@ class ResidentDecode:
         need, :meth:`Residency.short_of_a_page`); the masks are recomputed after a demotion. A
         resident request's row is its page's first row plus the offset (logical ids, like rows, run
         on within a page; ``allocator.resident_rows_of``) or, starting a page, a new page's first
-        row (the page is then marked resident); a hot buffer's is its slot's. Host work: a few tensor ops for the whole batch and
-        Python only for requests starting a page."""
+        row (the page is then marked resident); a hot buffer's is its slot's. Host work: a few
+        tensor ops for the whole batch and Python only for requests starting a page."""
         page_start = (lens - 1) % self.hot.page_size == 0
         if bool(page_start.any()):
             at = page_start.nonzero().view(-1)
