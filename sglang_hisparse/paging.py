@@ -116,11 +116,11 @@ class PageAllocator:
         ops and without waiting for the device (a decode step's hot path)."""
         p = self.page_size
         starts = [i for i, n in enumerate(seq_lens.tolist()) if (n - 1) % p == 0]  # Python: a few per step
-        pages = self.alloc_pages(len(starts)) if starts else None
-        if starts and pages is None:
-            return None
         ids = last_loc.to(torch.int64) + 1
         if starts:
+            pages = self.alloc_pages(len(starts))
+            if pages is None:
+                return None
             ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = pages * p
         return ids
 

@@ -98,9 +98,9 @@ def host_time_line(totals: dict[str, int], steps: int) -> str:
 
 class ResolveStats:
     def __init__(self, device: torch.device, *, log_interval: int, row_bytes: int, free_counts: Callable[[], FreeCounts],
-                 host_time: Optional[HostTime] = None):
-        self.host_time = host_time if host_time is not None else HostTime()
-        """Our host time per part (read and reset at each idle report)."""
+                 host_time: HostTime):
+        self.host_time = host_time
+        """Our host time per part (the allocator's; read and reset at each idle report)."""
         self._steps_at_report = 0
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         """int64 [2] on the KV device: (selected, misses), incremented in place by the resolver."""

@@ -4,6 +4,8 @@ fast path."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,8 +64,6 @@ def test_idle_reports_come_after_fast_path_only_work(gloo_world):
 def test_idle_reports_give_our_host_time_per_decode_step(gloo_world):
     """The idle line carries the steps since the last report and our host time per step, by
     part; each report covers only the steps since the previous one."""
-    import re
-
     rig = Rig(gloo_world)
     req = Request(uid=3, prompt_len=20)
     assert rig.prefill(req)
