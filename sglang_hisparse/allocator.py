@@ -37,7 +37,7 @@ import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from sglang_hisparse.device_rows import DeviceRows
-from sglang_hisparse.paging import PageAllocator
+from sglang_hisparse.paging import DecodeIds, PageAllocator
 from sglang_hisparse.stats import HostTime, timed
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self._reclaim: Callable[[int], None] = lambda rows: None
         self._reclaimable: Callable[[], int] = lambda: 0
         self._logical_only = False
+        self.last_decode: Optional[DecodeIds] = None
+        """The last :meth:`alloc_decode`'s ids, page starts and new logical pages (read by the
+        coordinator's ``map_last_loc_to_buffer`` of the same step)."""
         self.host_time = HostTime()
         """Our host time per decode step, by part (shared with the coordinator's stats)."""
         self.kvcache = kvcache
@@ -238,8 +241,11 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
     def alloc_decode(
         self, seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor, last_loc: torch.Tensor
     ) -> Optional[torch.Tensor]:
-        """One logical id per request; the coordinator maps it to the newest slot."""
-        return self.logical.decode(seq_lens_cpu, last_loc)
+        """One logical id per request; the coordinator maps it to its row. Side effect: the step's
+        page starts are kept in :attr:`last_decode` for the coordinator's ``map_last_loc_to_buffer``."""
+        step = self.logical.decode(seq_lens_cpu.tolist(), last_loc)
+        self.last_decode = step
+        return None if step is None else step.ids
 
     def free(self, free_index: torch.Tensor) -> None:
         """Release logical ids, and the device rows still mapped to them that no hot buffer owns."""
@@ -298,7 +304,11 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
 
     def mark_resident_pages(self, logical_ids: torch.Tensor, resident: bool) -> None:
         """Mark the logical pages holding ``logical_ids`` as resident or not (``page_resident``)."""
-        self.page_resident[logical_ids // self.page_size] = int(resident)
+        self.mark_logical_pages(logical_ids // self.page_size, resident)
+
+    def mark_logical_pages(self, pages: torch.Tensor, resident: bool) -> None:
+        """Mark logical pages (page ids) as resident or not (``page_resident``)."""
+        self.page_resident.index_fill_(0, pages, int(resident))
 
     def unmap_logical(self, logical_ids: torch.Tensor) -> None:
         self.logical_to_device[logical_ids] = 0

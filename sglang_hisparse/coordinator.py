@@ -214,9 +214,8 @@ class HiSparseCoordinator:
         from host, long ones start empty and miss on first use)."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self._logical_ids(req, n)
-        if self._resident_decode is not None:
-            self._resident_decode.invalidate_quiet()
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
+        resident = rows is not None
         if rows is None:
             rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size)
             if rows is None:
@@ -228,6 +227,8 @@ class HiSparseCoordinator:
         if rows is not None:
             self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows)
         self.mirror.mark_complete(idx, n)
+        if resident:
+            self.mirror.defer(idx)
         self.stats.note_activity()
 
     # --- decode steps ------------------------------------------------------------------------
@@ -235,25 +236,27 @@ class HiSparseCoordinator:
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` count the new token): write the previous tokens
         through to host where they are due (at once where the step overwrites their rows, a page at
-        a time where the rows stay put: :meth:`HostMirror.write_through_step`), grow short buffers
-        and resident requests, and map the new token's logical id to its row. The host work is a
-        few tensor ops for the whole batch, plus Python only for requests starting a page."""
+        a time in a short hot buffer, every few dozen steps for resident requests:
+        :meth:`HostMirror.write_through_step`, :meth:`ResidentDecode.flush_deferred`), grow short
+        buffers and resident requests, and map the new token's logical id to its row. A batch of
+        resident requests takes :meth:`ResidentDecode.resident_step` (Python over the batch, one
+        CPU tensor op, three device ops when some request starts a page); any other batch a few
+        tensor ops for the whole batch, plus Python only for requests starting a page."""
         if self.config.query_rows > 1:
             raise HiSparsePluginError("sglang-hisparse: a one-token decode step on a server whose decode steps "
                                       f"verify {self.config.query_rows} tokens (begin_verify_step maps those)")
         idxs, lens = req_pool_indices_cpu.to(torch.int64), seq_lens_cpu.to(torch.int64)
         self.stats.note_decode_step(int(lens.numel()))
         driver = self._resident_decode
-        if driver is not None and driver.quiet_step(idxs, lens):  # most steps of resident batches
-            return
-        resident = self.residency.mask(idxs) if driver is not None else None
-        self.mirror.write_through_step(idxs, lens, self.device_rows_now, resident=resident,
-                                       buffer_size=self.hot.buffer_size)
+        if driver is not None:
+            driver.flush_deferred(idxs, lens)
+            if driver.resident_step(idxs.tolist(), lens.tolist(), idxs, lens):
+                return
+        self.mirror.write_through_step(idxs, lens, self.device_rows_now, buffer_size=self.hot.buffer_size)
         if driver is None:
             rows = self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         else:
-            rows = driver.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, resident)
-            driver.note_step(idxs, lens)
+            rows = driver.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc, self.residency.mask(idxs))
         self.allocator.map_logical(out_cache_loc, rows)
 
     @timed("check")

@@ -2,8 +2,9 @@
 
 Owns the host pool, the position -> host row table of every request slot, and the copies that
 keep the table's rows complete: *staging* (all of a prefill's rows, once, after the prefill) and
-*write-through* (decoded tokens: every step where the next one overwrites their row, else a page
-at a time; see the invariant below).
+*write-through* (decoded tokens: every step where the next one overwrites their row, a page at a
+time for a short hot buffer, every :data:`DEFERRED_FLUSH_STEPS` steps for a resident request; see
+the invariant below).
 
 Ordering (two :class:`~sglang_hisparse.copy_lane.CopyLane`\\ s, so that a long staging copy never
 delays a decode step):
@@ -18,8 +19,12 @@ Invariant (per request slot): positions ``[0, mirrored_len)`` have a host row an
 has been submitted; positions ``[mirrored_len, L - 1)`` of a decode step with ``seq_len = L`` are
 *pending*. A step copies a request's pending positions at once when their rows will be overwritten
 (a long hot buffer's newest slot, which the step's token takes next) and orders the next forward
-after that copy; pending positions in rows that stay put (a resident request's own rows, a short
-hot buffer's slots below B) are copied a page at a time, with no forward waiting for them. Every
+after that copy; pending positions in a short hot buffer's slots below B, which stay put, are
+copied a page at a time, with no forward waiting for them. A resident request's pending positions
+(its own rows, which stay put until it is demoted) are *deferred* (:meth:`defer`): never due at a
+step, they are copied for all resident requests of a batch at once every
+:data:`DEFERRED_FLUSH_STEPS` decode steps (:meth:`write_through_deferred`) and before a demotion or
+a PD offload (:meth:`write_through`). So a resident decode step has no write-through work. Every
 copy that reads a request's rows is ordered before the rows are freed or overwritten
 (:meth:`order_after_writes`, and a pending-everything copy before a demotion or a retraction).
 """
@@ -34,6 +39,12 @@ import torch
 
 from sglang_hisparse.copy_lane import CopyLane, Fence
 from sglang_hisparse.host_pool import HiSparseHostPool
+
+DEFERRED_FLUSH_STEPS = 64
+"""Decode steps between two copies of the deferred (resident) requests' pending positions: at most
+this many positions (plus the step in flight) per resident request wait for a demotion's copy."""
+NEVER = 2**62
+"""``flush_at`` of a deferred request: no position count reaches it."""
 
 
 @dataclass(frozen=True)
@@ -65,9 +76,6 @@ class HostMirror:
         self.flush_at = torch.zeros(max_reqs, dtype=torch.int64)
         """int64 [max_reqs] (CPU): the position count (``seq_len - 1``) at which each decoding
         request's pending positions are next due (:meth:`write_through_step`)."""
-        self.flush_changes = 0
-        """Counts the writes of ``flush_at`` outside :meth:`write_through_step` (staging, PD, a
-        forced write-through), which may make a request due sooner."""
         self.producer_stream: Optional[Any] = None
         self._staging_lane = CopyLane(device)
         self._write_lane = CopyLane(device)
@@ -92,7 +100,6 @@ class HostMirror:
         )
         self.mirrored_len[idx] = n
         self.flush_at[idx] = n + 1
-        self.flush_changes += 1
         self._staged.append(_Staged(req, fence))
 
     def staged_count(self) -> int:
@@ -130,7 +137,12 @@ class HostMirror:
         """The KV of positions ``0..n-1`` reached host rows by other means (PD transfer)."""
         self.mirrored_len[req_pool_idx] = n_tokens
         self.flush_at[req_pool_idx] = n_tokens + 1
-        self.flush_changes += 1
+
+    def defer(self, req_pool_idx: int) -> None:
+        """A request whose rows stay put (resident): its pending positions are never due at a
+        step (:meth:`write_through_step`); :meth:`write_through_deferred` and
+        :meth:`write_through` copy them. Undone by :meth:`write_through` (a demotion)."""
+        self.flush_at[req_pool_idx] = NEVER
 
     # --- write-through -----------------------------------------------------------------------
     def write_through(
@@ -147,7 +159,16 @@ class HostMirror:
         end = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
         self._copy(idx, end, device_rows_of, urgent=True)
         self.flush_at[idx] = end + 1
-        self.flush_changes += 1
+
+    def write_through_deferred(
+        self,
+        req_pool_idxs: torch.Tensor,
+        seq_lens: torch.Tensor,
+        device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
+        """Copy the pending positions of these deferred requests (:meth:`defer`; int64 CPU
+        tensors) in one copy that no forward waits for: their rows stay put. They stay deferred."""
+        self._copy(req_pool_idxs, seq_lens - 1, device_rows_of, urgent=False)
 
     def write_through_step(
         self,
@@ -155,18 +176,17 @@ class HostMirror:
         seq_lens: torch.Tensor,
         device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
-        resident: Optional[torch.Tensor],
         buffer_size: int,
     ) -> None:
         """The write-through of a one-token decode step at ``seq_lens`` (int64 CPU tensors).
 
         A request is *due* when its pending positions must be copied at this step: its previous
         token sits in a hot buffer's newest slot, which this step's token takes (every step of a
-        long hot buffer), or a page of them is pending in rows that stay put (a resident request,
-        ``resident``: bool CPU mask or None; a hot buffer still on the fast path, whose previous
-        token is in slot ``L - 2 < buffer_size``). Due requests are tracked in ``flush_at`` (the
-        position count at which each is next due), so a step where none is due costs three tensor
-        ops. The forward is ordered after the copy only when it includes a newest slot.
+        long hot buffer), or a page of them is pending in a hot buffer still on the fast path (its
+        previous token in slot ``L - 2 < buffer_size``, which stays put). Deferred (resident)
+        requests are never due. Due requests are tracked in ``flush_at`` (the position count at
+        which each is next due), so a step where none is due costs three tensor ops. The forward
+        is ordered after the copy only when it includes a newest slot.
         Side effects: host rows for the copied positions; at most one copy on the write-through
         lane, after the current and producer streams.
         """
@@ -176,11 +196,8 @@ class HostMirror:
             return
         at = due.nonzero().view(-1)
         idx, end = req_pool_idxs[at], end[at]
-        stays = torch.zeros_like(idx, dtype=torch.bool) if resident is None else resident[at]
-        self._copy(idx, end, device_rows_of, urgent=bool(((end - 1 >= buffer_size) & ~stays).any()))
-        page = self.pool.page_size
-        hot_next = torch.minimum(end + page, torch.clamp(end + 1, min=buffer_size + 1))
-        self.flush_at[idx] = torch.where(stays, end + page, hot_next)
+        self._copy(idx, end, device_rows_of, urgent=bool((end - 1 >= buffer_size).any()))
+        self.flush_at[idx] = torch.minimum(end + self.pool.page_size, torch.clamp(end + 1, min=buffer_size + 1))
 
     def _copy(self, idx: torch.Tensor, end: torch.Tensor, device_rows_of, *, urgent: bool) -> None:
         """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64 CPU
@@ -191,9 +208,7 @@ class HostMirror:
         if not bool(take.any()):
             return
         idx, start, end, pending = idx[take], start[take], end[take], pending[take]
-        grows = (end > self.rows_allocated[idx]).nonzero().view(-1)
-        for i, e in zip(idx[grows].tolist(), end[grows].tolist()):
-            self.pool.grow_request_rows(self.row_table, self.rows_allocated, i, e)
+        self.pool.grow_rows(self.row_table, self.rows_allocated, idx, end)
         self.mirrored_len[idx] = end
         if bool((pending == 1).all()):  # each request's previous token
             reqs, positions = idx, start

@@ -86,6 +86,29 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
         table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
         lengths[req_pool_idx] = new_end
 
+    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
+        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
+        tensors, distinct slots) in a fixed number of tensor ops: one allocation, one table write.
+        Same side effects and the same error."""
+        p = self.page_size
+        allocated = lengths[idxs]
+        need = ((ends + p - 1) // p * p - allocated).clamp(min=0)
+        total = int(need.sum())
+        if not total:
+            return
+        rows = self.alloc(total)
+        if rows is None:
+            raise RuntimeError(
+                f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
+                f"{total} needed); admission should have prevented this"
+            )
+        req = idxs.repeat_interleave(need)
+        first = (need.cumsum(0) - need).repeat_interleave(need)
+        pos = allocated.repeat_interleave(need) + torch.arange(total) - first
+        where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
+        table[where[0], where[1]] = where[2]
+        lengths[idxs] = allocated + need
+
     def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
         """Return every host row of a request to the free list and clear its table row.
         Returns the number of rows freed (0 for a request with none)."""

@@ -10,6 +10,7 @@ one owner. ``debug=True`` keeps a per-page in-use mask and asserts it on every c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -108,21 +109,37 @@ class PageAllocator:
             return None
         return paged_token_ids(pages, self.page_size, prefix_lens, seq_lens, last_loc)
 
-    def decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
-        """One token id per request for its position ``seq_len - 1`` (``seq_lens`` on CPU, at
-        least 2; ``last_loc`` on this allocator's device): ``last_loc + 1`` inside a page, the first
-        id of a new page where the position starts one. Returns None (nothing taken) when too few
-        pages are free. The same ids as :meth:`extend` with prefix ``seq_len - 1``, in a few device
-        ops and without waiting for the device (a decode step's hot path)."""
+    def decode(self, seq_lens: list[int], last_loc: torch.Tensor) -> Optional[DecodeIds]:
+        """One token id per request for its position ``seq_len - 1`` (``seq_lens`` a Python list,
+        each at least 2; ``last_loc`` on this allocator's device): ``last_loc + 1`` inside a page,
+        the first id of a new page where the position starts one. Returns None (nothing taken) when
+        too few pages are free. The same ids as :meth:`extend` with prefix ``seq_len - 1``, in a
+        few device ops and without waiting for the device (a decode step's hot path)."""
         p = self.page_size
-        starts = [i for i, n in enumerate(seq_lens.tolist()) if (n - 1) % p == 0]  # Python: a few per step
+        starts = [b for b, n in enumerate(seq_lens) if (n - 1) % p == 0]  # Python: a few per step
         ids = last_loc.to(torch.int64) + 1
-        if starts:
-            pages = self.alloc_pages(len(starts))
-            if pages is None:
-                return None
-            ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = pages * p
-        return ids
+        if not starts:
+            return DecodeIds(ids, starts, None, None)
+        pages = self.alloc_pages(len(starts))
+        if pages is None:
+            return None
+        first_ids = pages * p
+        ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = first_ids
+        return DecodeIds(ids, starts, pages, first_ids)
+
+
+@dataclass(frozen=True)
+class DecodeIds:
+    """What :meth:`PageAllocator.decode` hands out for one decode step."""
+
+    ids: torch.Tensor
+    """int64 [batch]: each request's new token id."""
+    starts: list[int]
+    """Batch positions (ascending) of the requests whose new token starts a page."""
+    pages: Optional[torch.Tensor]
+    """int64 [len(starts)]: their new pages, in that order (None when no request starts one)."""
+    first_ids: Optional[torch.Tensor]
+    """int64 [len(starts)]: those pages' first ids (the ids handed out at the page starts)."""
 
 
 def paged_token_ids(

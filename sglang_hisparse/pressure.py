@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS
 from sglang_hisparse.residency import Residency, ResidencyPolicy
 
 logger = logging.getLogger(__name__)
@@ -38,9 +40,8 @@ class ResidentDecode:
         self.quiesce = quiesce
         self._last_batch = torch.zeros(0, dtype=torch.int64)
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
-        self._quiet_left = 0
-        """Quiet decode steps left for the batch of the last full step (:meth:`quiet_step`)."""
-        self._quiet_stamp: Optional[tuple[int, int]] = None
+        self._steps = 0
+        """Decode steps so far (:meth:`flush_deferred`)."""
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -59,8 +60,10 @@ class ResidentDecode:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
         policy allows, else through ``open_hot`` (its hot buffer), demoting resident requests if
         it does not fit."""
-        self.invalidate_quiet()
-        if self.residency.admit(idx, logical_ids) or open_hot():
+        if self.residency.admit(idx, logical_ids):
+            self.mirror.defer(idx)
+            return True
+        if open_hot():
             return True
         self.reclaim(self.hot.padded)
         return open_hot()
@@ -114,45 +117,54 @@ class ResidentDecode:
                 self.demote(idx)
         return residency.demotions_total != demotions
 
-    def _stamp(self) -> tuple[int, int]:
-        return self.residency.changes, self.mirror.flush_changes
+    def resident_step(self, idx_list: list[int], len_list: list[int], idxs: torch.Tensor, lens: torch.Tensor) -> bool:
+        """A one-token decode step whose requests are all resident; False, nothing changed, when
+        one is not or when pressure relief demoted one (the caller then takes the full path).
 
-    def invalidate_quiet(self) -> None:
-        """A request joins decode: the next step is a full one."""
-        self._quiet_left = 0
-
-    def quiet_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> bool:
-        """Take this decode step as a *quiet* one, if it is: True when done.
-
-        A step is quiet when every request in it is resident, none of their newest positions
-        starts a page and none is due for write-through. Then the full path
-        (:meth:`newest_rows`, the write-through) would only extend each request's length and map
-        its new id to the next row of its page, which the device pool does inside the forward
-        (``HiSparseDevicePool.map_resident_writes``, on the page marks). The last full step
-        (:meth:`note_step`) counted how many steps of its batch stay quiet; a request joining
-        (:meth:`invalidate_quiet`) or any change of residency or of the write-through schedule
-        since (``_stamp``) makes the step full. A batch that only lost requests stays quiet (each
-        remaining request is one token further per step). Side effects: ``length``, the last
-        batch. No device work; one CPU tensor op."""
-        if self._quiet_left <= 0 or self._quiet_stamp != self._stamp():
+        Each request's new id is mapped to its row inside the forward
+        (``HiSparseDevicePool.map_resident_writes``) except a page's first id: a request whose
+        newest position starts a page takes a page of free rows (after pressure relief), and the
+        new logical page (the allocator's, ``allocator.last_decode``) is mapped to it and marked
+        resident. Resident requests have no write-through at a step (``HostMirror.defer``).
+        ``idx_list``, ``len_list``: the step's slots and lengths; ``idxs``, ``lens``: the same as
+        int64 CPU tensors. Host work: Python over the batch, one CPU tensor op (the lengths) and
+        three device ops when some request starts a page. Raises HiSparsePluginError when the
+        allocator's last decode step is not this batch's."""
+        residency = self.residency
+        if not residency.holds_all(idx_list):
             return False
-        self._quiet_left -= 1
+        p = self.hot.page_size
+        step = self.allocator.last_decode
+        starts = [b for b, n in enumerate(len_list) if (n - 1) % p == 0]
+        if step is None or step.starts != starts:
+            raise HiSparsePluginError(
+                "sglang-hisparse: map_last_loc_to_buffer of a batch whose ids were not handed out by the "
+                f"allocator's last alloc_decode (page starts {starts[:8]} against "
+                f"{None if step is None else step.starts[:8]})")
+        if starts:
+            at_page_start = [(idx_list[b], len_list[b]) for b in starts]
+            if self._relieve(at_page_start):
+                return False
+            pages = residency.grow_pages(at_page_start)
+            self.allocator.map_logical(step.first_ids, pages * p)
+            self.allocator.mark_logical_pages(step.pages, True)
+        residency.length[idxs] = lens
         self._last_batch = idxs
-        self.residency.length[idxs] = lens
         return True
 
-    def note_step(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
-        """After a full step at ``lens`` (int64 CPU) of slots ``idxs``: count the quiet steps
-        that follow (none unless every request is resident; else until the first request's next
-        page start or write-through)."""
-        self._quiet_left = 0
-        if not bool(self.residency.mask(idxs).all()):
+    def flush_deferred(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
+        """Every :data:`DEFERRED_FLUSH_STEPS`-th decode step (counted here), copy the pending
+        positions of the batch's resident requests to host in one copy (``idxs``, ``lens``: the
+        step's int64 CPU tensors); other steps: nothing."""
+        self._steps += 1
+        if self._steps % DEFERRED_FLUSH_STEPS:
             return
-        p = self.hot.page_size
-        next_page_start = ((lens - 1) // p + 1) * p + 1
-        until = torch.minimum(next_page_start, self.mirror.flush_at[idxs] + 1)
-        self._quiet_left = max(0, int((until - lens).min()) - 1)
-        self._quiet_stamp = self._stamp()
+        resident = self.residency.mask(idxs)
+        if bool(resident.any()):
+            self.mirror.write_through_deferred(idxs[resident], lens[resident], self._own_rows)
+
+    def _own_rows(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
                     seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:

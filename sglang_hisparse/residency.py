@@ -28,7 +28,7 @@ Invariants, per resident request slot ``idx`` with ``n`` positions on the device
 are marked in ``allocator.page_resident``; the first id of each of its pages is mapped by the host
 to the page's first row, and ``logical_to_device[req_to_token[idx, p]]`` is the row of every
 ``p < n`` once the forward that wrote ``p`` ran (the device pool maps ids past a page's first
-inside the forward: quiet steps); host code reads resident rows from page starts
+inside the forward); host code reads resident rows from page starts
 (``allocator.resident_rows_of``) or after waiting for the forward in flight; ``hot.holds(idx)`` is
 false.
 """
@@ -93,9 +93,9 @@ class Residency:
         self.length = torch.zeros(max_reqs, dtype=torch.int64)
         """Per request slot, the positions a resident request has on the device (0: not resident)."""
         self._members: set[int] = set()
-        self.changes = 0
-        """Counts every change of membership or of a slot's page count (:meth:`_set_length`): a
-        reader that cached something derived from them compares it (``ResidentDecode``'s quiet steps)."""
+        self._pages: dict[int, int] = {}
+        """Per resident request slot, the pages of rows it holds (Python, so that a page start
+        costs no tensor op)."""
         self._reclaimable_total = 0
         """Sum of :meth:`reclaimable` (kept up to date on every change of ``length``)."""
         self.admitted_total = 0
@@ -107,6 +107,10 @@ class Residency:
 
     def count(self) -> int:
         return len(self._members)
+
+    def holds_all(self, idxs: list[int]) -> bool:
+        """Are all these request slots resident? (Python set work, no tensor op.)"""
+        return self._members.issuperset(idxs)
 
     def length_of(self, idx: int) -> int:
         """Positions resident slot ``idx`` has on the device."""
@@ -125,28 +129,36 @@ class Residency:
     def _rows(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
-    def _over_padded(self, n: int) -> int:
-        """Rows a resident request of ``n`` positions frees when demoted."""
-        return max(0, self._rows(n) - self.hot.padded)
+    def _over_padded(self, pages: int) -> int:
+        """Rows a resident request holding ``pages`` pages frees when demoted."""
+        return max(0, pages * self.page_size - self.hot.padded)
+
+    def _set_pages(self, idx: int, pages: Optional[int]) -> None:
+        """The writer of one slot's page count (None: the slot leaves), keeping the reclaimable
+        total and the members."""
+        if idx in self._members:
+            self._reclaimable_total -= self._over_padded(self._pages.pop(idx))
+        if pages is None:
+            self._members.discard(idx)
+        else:
+            self._members.add(idx)
+            self._pages[idx] = pages
+            self._reclaimable_total += self._over_padded(pages)
 
     def _set_length(self, idx: int, n: Optional[int]) -> None:
         """The writer of one slot's ``length`` (None: the slot leaves), keeping the reclaimable
         total and the members (:meth:`grow` updates many slots at once)."""
-        self.changes += 1
-        if idx in self._members:
-            self._reclaimable_total -= self._over_padded(int(self.length[idx]))
         if n is None:
-            self._members.discard(idx)
+            self._set_pages(idx, None)
             self.length[idx] = 0
         else:
             assert n > 0, "a resident request has positions on the device"
-            self._members.add(idx)
+            self._set_pages(idx, -(-n // self.page_size))
             self.length[idx] = n
-            self._reclaimable_total += self._over_padded(n)
 
     def reclaimable(self) -> dict[int, int]:
         """Per resident request slot, the device rows its demotion would free."""
-        return {idx: self._over_padded(n) for idx, n in self.lengths.items()}
+        return {idx: self._over_padded(pages) for idx, pages in self._pages.items()}
 
     def reclaimable_rows(self) -> int:
         """The rows demoting every resident request would free (no per-request work)."""
@@ -217,7 +229,7 @@ class Residency:
     def own_rows(self, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The device rows (int64) of resident requests' ``positions``: their mapped logical ids'
         rows (``req_to_token`` is SGLang's position -> logical id table), from their pages' first
-        rows (the others may be mapped only by a forward in flight: quiet steps)."""
+        rows (the others may be mapped only by a forward in flight)."""
         return self.allocator.resident_rows_of(req_to_token[req_pool_idx, positions].to(torch.int64))
 
     def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor,
@@ -234,17 +246,27 @@ class Residency:
         new_page = ((seq_lens - 1) % p == 0 if page_start is None else page_start).nonzero().view(-1)
         pages = None
         if new_page.numel():
-            pages = self.allocator.rows.pages.alloc_pages(new_page.numel())
-            if pages is None:
-                raise HiSparsePluginError(
-                    f"sglang-hisparse: no free device rows for the next page of {new_page.numel()} resident "
-                    f"request(s) ({self.allocator.debug_print()}); the decode memory check should have retracted "
-                    "a request")
-            for idx, seq_len in zip(idxs[new_page].tolist(), seq_lens[new_page].tolist()):
-                assert seq_len == self.length_of(idx) + 1, "a resident request grows one token per step"
-                self._set_length(idx, seq_len)
+            pages = self.grow_pages(list(zip(idxs[new_page].tolist(), seq_lens[new_page].tolist())))
         self.length[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
         return new_page, pages
+
+    def grow_pages(self, at_page_start: list[tuple[int, int]]) -> torch.Tensor:
+        """Resident requests ``(slot, seq_len)`` whose newest position ``seq_len - 1`` starts a
+        page take a page of free rows each; returns the pages (int64, in that order). The caller
+        made sure they are free (:meth:`rows_needed`), maps the new pages and sets the other
+        requests' lengths (``length``) after. Python work per request, one view of the free list."""
+        pages = self.allocator.rows.pages.alloc_pages(len(at_page_start))
+        if pages is None:
+            raise HiSparsePluginError(
+                f"sglang-hisparse: no free device rows for the next page of {len(at_page_start)} resident "
+                f"request(s) ({self.allocator.debug_print()}); the decode memory check should have retracted "
+                "a request")
+        p = self.page_size
+        for idx, seq_len in at_page_start:
+            held = self._pages[idx]
+            assert seq_len - 1 == held * p, "a resident request starts its next page one token at a time"
+            self._set_pages(idx, held + 1)
+        return pages
 
     # --- out of residency --------------------------------------------------------------------
     def demote(self, idx: int, logical_ids: torch.Tensor, selected_rows: Optional[torch.Tensor]) -> None:

@@ -158,9 +158,12 @@ def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
     fast.free_pages, generic.free_pages = order.clone(), order.clone()
     seq = torch.tensor(lens)
     last_loc = torch.randint(1, 64, (len(lens),)) * 64 + (seq - 2) % 64  # the previous position's id
-    assert torch.equal(fast.decode(seq, last_loc), generic.extend(seq - 1, seq, last_loc))
+    step = fast.decode(seq.tolist(), last_loc)
+    assert torch.equal(step.ids, generic.extend(seq - 1, seq, last_loc))
+    assert step.starts == [b for b, n in enumerate(lens) if (n - 1) % 64 == 0]
+    assert step.pages is None if not step.starts else torch.equal(step.ids[step.starts], step.pages * 64)
     assert torch.equal(fast.free_pages, generic.free_pages)
     full = PageAllocator(1, 64, "cpu")
     full.alloc_pages(1)
     starts_a_page = torch.tensor([65])
-    assert full.decode(starts_a_page, torch.tensor([127])) is None and full.available_pages() == 0
+    assert full.decode(starts_a_page.tolist(), torch.tensor([127])) is None and full.available_pages() == 0

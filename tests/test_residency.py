@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rig import PAGE, Rig, Request
+from rig import PAGE, Rig, Request, true_row
 from tier import examples
 from test_coordinator_lifecycle import run_random_lifecycle, select
 
@@ -50,6 +50,45 @@ def test_a_resident_request_reads_its_own_rows_and_copies_nothing(gloo_world):
     rig.release(req)
     assert rig.counts() == rig.initial_counts
     assert rig.coord.residency.count() == 0 and rig.coord.residency.admitted_total == 1
+
+
+def test_resident_write_through_is_deferred_then_complete_before_a_demotion(gloo_world):
+    """A resident request's decoded tokens are not copied at each step: every
+    ``DEFERRED_FLUSH_STEPS`` decode steps all of them are, in one copy, and a demotion copies the
+    rest first. The host rows then hold the true KV of every position."""
+    from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS
+
+    rig = Rig(gloo_world, residency=True)
+    rng = random.Random(8)
+    reqs = [Request(uid=1, prompt_len=150), Request(uid=2, prompt_len=70)]
+    for req in reqs:
+        assert rig.prefill(req)
+        rig.stage(req)
+    assert rig.collect() == reqs
+    mirror, host = rig.coord.mirror, rig.coord.mem_pool_host
+
+    def host_holds_true_kv(req, n):
+        rows = rig.coord.req_to_host_pool[req.req_pool_idx, :n]
+        for layer in range(rig.layers):
+            want = torch.stack([true_row(req.uid, layer, p) for p in range(n)])
+            assert torch.equal(host.kv_buffer[layer][rows, 0], want), (req.uid, layer)
+
+    decode(rig, reqs, rng, steps=DEFERRED_FLUSH_STEPS - 1)
+    assert [int(mirror.mirrored_len[r.req_pool_idx]) for r in reqs] == [150, 70]  # nothing copied yet
+    decode(rig, reqs, rng, steps=1)  # the flush: positions up to the previous token
+    for req in reqs:
+        assert int(mirror.mirrored_len[req.req_pool_idx]) == req.seq_len - 1
+        host_holds_true_kv(req, req.seq_len - 1)
+    decode(rig, reqs, rng, steps=20)
+    long_req = reqs[0]
+    rig.coord._resident_decode.demote(long_req.req_pool_idx)
+    assert rig.coord.hot.holds(long_req.req_pool_idx)
+    assert int(mirror.mirrored_len[long_req.req_pool_idx]) == long_req.seq_len
+    host_holds_true_kv(long_req, long_req.seq_len)
+    decode(rig, reqs, rng, steps=30)  # the demoted request misses from host and stays exact
+    for req in reqs:
+        rig.release(req)
+    assert rig.counts() == rig.initial_counts
 
 
 @pytest.mark.parametrize("replacement", ["lru", "reuse"])
@@ -232,12 +271,13 @@ def test_a_resident_request_whose_page_cannot_fit_is_demoted_even_if_that_frees_
     assert rig.counts() == rig.initial_counts
 
 
-def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
-    """A decode step of resident requests with no page start and nothing due is quiet: no host
-    mapping, no device work; the device pool maps the new ids on the first layer's KV write. It
-    must leave exactly the mapping, lengths and write-through schedule of the full path. Two rigs
-    in lockstep, one with quiet steps off, through page starts, write-through, a request leaving,
-    one joining and a demotion under pressure; every selection is checked against the true KV."""
+def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
+    """A decode step of resident requests takes the lean path (``ResidentDecode.resident_step``):
+    no host mapping but a new page's first id, no write-through; the device pool maps the other new
+    ids on the first layer's KV write. It must leave exactly the mapping, lengths, write-through
+    schedule and page marks of the full path. Two rigs in lockstep, one with the lean path off,
+    through page starts, deferred write-through, a request leaving, one joining and a demotion
+    under pressure; every selection is checked against the true KV."""
     from unittest import mock
 
     from sglang_hisparse.pressure import ResidentDecode
@@ -250,13 +290,13 @@ def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
     rigs = [Rig(gloo_world, device_rows=PAGE * 12, max_reqs=6, top_k=24, residency=True) for _ in range(2)]
     reqs = [[Request(uid=u, prompt_len=n) for u, n in enumerate((40, 70, 130))] for _ in rigs]
     late = [Request(uid=9, prompt_len=90) for _ in rigs]
-    quiet_taken, all_resident = [], []
-    original = ResidentDecode.quiet_step
+    lean_taken, all_resident = [], []
+    original = ResidentDecode.resident_step
 
     def counting(self, *args):
-        quiet = original(self, *args)
-        quiet_taken.append(quiet)
-        return quiet
+        lean = original(self, *args)
+        lean_taken.append(lean)
+        return lean
 
     def admit(rig, group):
         for req in group:
@@ -277,19 +317,21 @@ def test_quiet_steps_leave_the_state_the_slow_path_leaves(gloo_world):
                 group.append(req)
         all_resident.append(all(rigs[0].coord.residency.holds(r.req_pool_idx) for r in reqs[0]))
         for i, (rig, group) in enumerate(zip(rigs, reqs)):
-            patch = (mock.patch.object(ResidentDecode, "quiet_step", counting) if i == 0 else
-                     mock.patch.object(ResidentDecode, "quiet_step", lambda self, *a: False))
+            patch = (mock.patch.object(ResidentDecode, "resident_step", counting) if i == 0 else
+                     mock.patch.object(ResidentDecode, "resident_step", lambda self, *a: False))
             with patch:
                 assert rig.decode_step(group)
             for layer in range(rig.layers):
                 rig.resolve_and_check(group, layer, [select(rng[i], r, rig.top_k, 0.6) for r in group])
         for a, b in zip(state(rigs[0]), state(rigs[1])):
             assert torch.equal(a, b), step
-    assert rigs[0].coord.residency.demotions_total == rigs[1].coord.residency.demotions_total > 0
-    resident_steps = [q for q, r in zip(quiet_taken, all_resident) if r]
-    assert sum(resident_steps) > 0.8 * len(resident_steps) > 0  # most steps of a resident batch are quiet
-    assert not all(resident_steps)  # page starts and write-through are not
-    assert not any(q for q, r in zip(quiet_taken, all_resident) if not r)  # a hot buffer in the batch: never
+    demotions = rigs[0].coord.residency.demotions_total
+    assert demotions == rigs[1].coord.residency.demotions_total > 0
+    resident_steps = [q for q, r in zip(lean_taken, all_resident) if r]
+    assert len(resident_steps) - demotions <= sum(resident_steps) < len(resident_steps)  # all but a relief's
+    assert not any(q for q, r in zip(lean_taken, all_resident) if not r)  # a hot buffer in the batch: never
+    mirrored = rigs[0].coord.mirror.mirrored_len
+    assert all(int(mirrored[r.req_pool_idx]) > r.prompt_len for r in reqs[0])  # deferred write-through ran
     for rig, group in zip(rigs, reqs):
         for req in group:
             rig.release(req)
