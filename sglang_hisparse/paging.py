@@ -119,13 +119,13 @@ class PageAllocator:
         starts = [b for b, n in enumerate(seq_lens) if (n - 1) % p == 0]  # Python: a few per step
         ids = last_loc.to(torch.int64) + 1
         if not starts:
-            return DecodeIds(ids, starts, None, None)
+            return DecodeIds(ids, seq_lens, starts, None, None)
         pages = self.alloc_pages(len(starts))
         if pages is None:
             return None
         first_ids = pages * p
         ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = first_ids
-        return DecodeIds(ids, starts, pages, first_ids)
+        return DecodeIds(ids, seq_lens, starts, pages, first_ids)
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,8 @@ class DecodeIds:
 
     ids: torch.Tensor
     """int64 [batch]: each request's new token id."""
+    seq_lens: list[int]
+    """The step's sequence lengths (the new token counted), as passed."""
     starts: list[int]
     """Batch positions (ascending) of the requests whose new token starts a page."""
     pages: Optional[torch.Tensor]

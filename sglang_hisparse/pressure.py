@@ -135,12 +135,12 @@ class ResidentDecode:
             return False
         p = self.hot.page_size
         step = self.allocator.last_decode
-        starts = [b for b, n in enumerate(len_list) if (n - 1) % p == 0]
-        if step is None or step.starts != starts:
+        if step is None or step.seq_lens != len_list:
             raise HiSparsePluginError(
                 "sglang-hisparse: map_last_loc_to_buffer of a batch whose ids were not handed out by the "
-                f"allocator's last alloc_decode (page starts {starts[:8]} against "
-                f"{None if step is None else step.starts[:8]})")
+                f"allocator's last alloc_decode (lengths {len_list[:8]} against "
+                f"{None if step is None else step.seq_lens[:8]})")
+        starts = step.starts
         if starts:
             at_page_start = [(idx_list[b], len_list[b]) for b in starts]
             if self._relieve(at_page_start):

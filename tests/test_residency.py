@@ -52,6 +52,26 @@ def test_a_resident_request_reads_its_own_rows_and_copies_nothing(gloo_world):
     assert rig.coord.residency.count() == 0 and rig.coord.residency.admitted_total == 1
 
 
+def test_a_resident_step_refuses_ids_the_allocator_did_not_hand_out_for_it(gloo_world):
+    """The resident step maps the new pages the allocator's last ``alloc_decode`` took: mapping a
+    batch whose lengths differ from that call's is refused, with nothing changed."""
+    from sglang_hisparse.errors import HiSparsePluginError
+
+    rig = Rig(gloo_world, residency=True)
+    req = Request(uid=1, prompt_len=100)
+    assert rig.prefill(req)
+    rig.stage(req)
+    assert rig.collect() == [req]
+    idx = torch.tensor([req.req_pool_idx])
+    seq = torch.tensor([req.seq_len + 1])
+    last_loc = rig.req_to_token_pool.req_to_token[idx, seq - 2].to(torch.int64)
+    out = rig.allocator.alloc_decode(seq, seq, last_loc)
+    before = rig.coord.residency.length.clone()
+    with pytest.raises(HiSparsePluginError, match="alloc_decode"):
+        rig.coord.map_last_loc_to_buffer(seq + 1, out, idx, seq + 1, idx)
+    assert torch.equal(rig.coord.residency.length, before)
+
+
 def test_resident_write_through_is_deferred_then_complete_before_a_demotion(gloo_world):
     """A resident request's decoded tokens are not copied at each step: every
     ``DEFERRED_FLUSH_STEPS`` decode steps all of them are, in one copy, and a demotion copies the
