@@ -173,7 +173,6 @@ class HiSparseCoordinator:
         """The draft state kept for a request joining decode (KeyError when none was kept)."""
         return self._draft_state.pop(req_pool_idx)
 
-    @timed("ready")
     def collect_ready_reqs(self) -> List[Any]:
         """Staged requests, in order, whose copy finished on every rank and whose hot buffer fits.
 
@@ -185,8 +184,15 @@ class HiSparseCoordinator:
         if not self.mirror.staged_count():
             return []
         copied = self.mirror.copied_prefix(block=self.config.wait_for_staging)
+        count = agreed_count(len(copied), self.tp_group)
+        return self._enter_copied(copied[:count]) if count else []
+
+    @timed("ready")
+    def _enter_copied(self, copied: list) -> List[Any]:
+        """Move the copied requests at the front of staging into decode, in order, until one does
+        not fit; returns those that entered."""
         ready = []
-        for req in copied[: agreed_count(len(copied), self.tp_group)]:
+        for req in copied:
             if not self._enter_decode(req):
                 self._log_waiting(req)
                 break

@@ -55,7 +55,9 @@ def pool_free_counts(allocator, host_pool) -> FreeCounts:
 class HostTime:
     """Host time our code spends per decode step, by part (``check``: the decode memory check,
     ``alloc``: the new tokens' logical ids, ``map``: ``map_last_loc_to_buffer``, ``wait``:
-    ``wait_for_pending_backup``, ``ready``: ``collect_ready_reqs``), since the last idle report.
+    ``wait_for_pending_backup``, ``ready``: ``collect_ready_reqs`` calls that move requests into
+    decode; calls that only find copies still running are not counted: the scheduler repeats them
+    while it has nothing else to do), since the last idle report.
     Two ``perf_counter_ns`` reads per timed call; no device sync. Owned by the allocator (the first
     of our objects SGLang builds), read and reset by :class:`ResolveStats` at each idle report."""
 
