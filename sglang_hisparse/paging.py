@@ -117,7 +117,7 @@ class PageAllocator:
         few device ops and without waiting for the device (a decode step's hot path)."""
         p = self.page_size
         starts = [b for b, n in enumerate(seq_lens) if (n - 1) % p == 0]  # Python: a few per step
-        ids = last_loc.to(torch.int64) + 1
+        ids = torch.add(last_loc, 1, out=torch.empty(last_loc.shape, dtype=torch.int64, device=last_loc.device))
         if not starts:
             return DecodeIds(ids, seq_lens, starts, None, None)
         pages = self.alloc_pages(len(starts))

@@ -158,7 +158,8 @@ def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
     fast.free_pages, generic.free_pages = order.clone(), order.clone()
     seq = torch.tensor(lens)
     last_loc = torch.randint(1, 64, (len(lens),)) * 64 + (seq - 2) % 64  # the previous position's id
-    step = fast.decode(seq.tolist(), last_loc)
+    step = fast.decode(seq.tolist(), last_loc.to(torch.int32))  # SGLang reads last_loc off its int32 table
+    assert step.ids.dtype == torch.int64
     assert torch.equal(step.ids, generic.extend(seq - 1, seq, last_loc))
     assert step.starts == [b for b, n in enumerate(lens) if (n - 1) % 64 == 0]
     assert step.pages is None if not step.starts else torch.equal(step.ids[step.starts], step.pages * 64)
