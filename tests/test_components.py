@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rig import PAGE, Rig, Request
@@ -168,3 +168,24 @@ def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
     full.alloc_pages(1)
     starts_a_page = torch.tensor([65])
     assert full.decode(starts_a_page.tolist(), torch.tensor([127])) is None and full.available_pages() == 0
+
+
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 300)), min_size=1, max_size=6),
+                      min_size=1, max_size=5))
+def test_batched_host_row_growth_gives_what_growth_one_request_at_a_time_gives(gloo_world, calls):
+    """``HiSparseHostPool.grow_rows`` (many requests, one allocation) leaves the table, the
+    allocated lengths and the free rows exactly as ``grow_request_rows`` called for each request in
+    order does, including requests that need no new page."""
+    batched, single = (Rig(gloo_world, max_reqs=6).coord.mirror for _ in range(2))
+    for call in calls:
+        ends = {}
+        for idx, end in call:  # one entry per request slot, as the write-through passes them
+            ends[idx] = max(ends.get(idx, 0), end)
+        batched.pool.grow_rows(batched.row_table, batched.rows_allocated, torch.tensor(list(ends)),
+                               torch.tensor(list(ends.values())))
+        for idx, end in ends.items():
+            single.pool.grow_request_rows(single.row_table, single.rows_allocated, idx, end)
+        assert torch.equal(batched.row_table, single.row_table)
+        assert torch.equal(batched.rows_allocated, single.rows_allocated)
+        assert batched.pool.available_size() == single.pool.available_size()
