@@ -302,13 +302,21 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         """Residency is on: the device pool maps resident pages' new ids inside the forward."""
         self.kvcache.attach_mapping(self.logical_to_device, self.page_resident)
 
+    def map_new_pages(self, logical_pages: torch.Tensor, row_pages: torch.Tensor) -> None:
+        """A resident step's new pages: map each logical page's first id to its row page's first
+        row and mark the logical page resident (the forward maps the page's later ids). On CUDA one
+        kernel (``kernels/decode.cuh``, ``map_pages``), elsewhere its torch twin."""
+        if self.logical_to_device.is_cuda:
+            from sglang_hisparse.resolver.jit import decode_module
+
+            decode_module().map_pages(logical_pages, row_pages, self.logical_to_device, self.page_resident,
+                                      self.page_size)
+            return
+        map_new_pages_torch(logical_pages, row_pages, self.logical_to_device, self.page_resident, self.page_size)
+
     def mark_resident_pages(self, logical_ids: torch.Tensor, resident: bool) -> None:
         """Mark the logical pages holding ``logical_ids`` as resident or not (``page_resident``)."""
-        self.mark_logical_pages(logical_ids // self.page_size, resident)
-
-    def mark_logical_pages(self, pages: torch.Tensor, resident: bool) -> None:
-        """Mark logical pages (page ids) as resident or not (``page_resident``)."""
-        self.page_resident.index_fill_(0, pages, int(resident))
+        self.page_resident.index_fill_(0, logical_ids // self.page_size, int(resident))
 
     def unmap_logical(self, logical_ids: torch.Tensor) -> None:
         self.logical_to_device[logical_ids] = 0
@@ -317,3 +325,10 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         """Free the device rows of a request still in staging (abort) and clear its mapping."""
         self.rows.free_unowned(self.logical_to_device[logical_ids])
         self.logical_to_device[logical_ids] = 0
+
+
+def map_new_pages_torch(logical_pages: torch.Tensor, row_pages: torch.Tensor, logical_to_device: torch.Tensor,
+                        page_resident: torch.Tensor, page_size: int) -> None:
+    """The torch twin (and oracle) of the ``map_pages`` kernel (:meth:`HiSparseAllocator.map_new_pages`)."""
+    logical_to_device[logical_pages * page_size] = row_pages * page_size
+    page_resident.index_fill_(0, logical_pages, 1)

@@ -44,6 +44,7 @@ from sglang_hisparse.pressure import ResidentDecode
 from sglang_hisparse.replacement.reuse import history_table, reuse_levels
 from sglang_hisparse.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
+from sglang_hisparse.resolver.jit import decode_module
 from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, timed, token_stats
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class HiSparseCoordinator:
         resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k)
         if self.config.query_rows > 1:
             resolver.warmup(self.device_pool.row_bytes, device_buffer_size, top_k * self.config.query_rows)
+        if device.type == "cuda":
+            decode_module()  # the decode step's id kernels (kernels/decode.cuh), built before the first step
         selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self._resident_decode: Optional[ResidentDecode] = None
         if self.config.residency:
@@ -246,7 +249,7 @@ class HiSparseCoordinator:
         :meth:`HostMirror.write_through_step`, :meth:`ResidentDecode.flush_deferred`), grow short
         buffers and resident requests, and map the new token's logical id to its row. A batch of
         resident requests takes :meth:`ResidentDecode.resident_step` (Python over the batch, one
-        CPU tensor op, three device ops when some request starts a page); any other batch a few
+        CPU tensor op, one device launch when some request starts a page); any other batch a few
         tensor ops for the whole batch, plus Python only for requests starting a page."""
         if self.config.query_rows > 1:
             raise HiSparsePluginError("sglang-hisparse: a one-token decode step on a server whose decode steps "

@@ -111,21 +111,37 @@ class PageAllocator:
 
     def decode(self, seq_lens: list[int], last_loc: torch.Tensor) -> Optional[DecodeIds]:
         """One token id per request for its position ``seq_len - 1`` (``seq_lens`` a Python list,
-        each at least 2; ``last_loc`` on this allocator's device): ``last_loc + 1`` inside a page,
-        the first id of a new page where the position starts one. Returns None (nothing taken) when
-        too few pages are free. The same ids as :meth:`extend` with prefix ``seq_len - 1``, in a
-        few device ops and without waiting for the device (a decode step's hot path)."""
+        each at least 2; ``last_loc`` on this allocator's device, int32 or int64): ``last_loc + 1``
+        inside a page, the first id of a new page where the position starts one. Returns None
+        (nothing taken) when too few pages are free. The same ids as :meth:`extend` with prefix
+        ``seq_len - 1``, without waiting for the device (a decode step's hot path): on CUDA one
+        kernel (``kernels/decode.cuh``, ``decode_ids``), elsewhere its torch twin
+        (:func:`decode_ids_torch`)."""
         p = self.page_size
         starts = [b for b, n in enumerate(seq_lens) if (n - 1) % p == 0]  # Python: a few per step
-        ids = torch.add(last_loc, 1, out=torch.empty(last_loc.shape, dtype=torch.int64, device=last_loc.device))
-        if not starts:
-            return DecodeIds(ids, seq_lens, starts, None, None)
-        pages = self.alloc_pages(len(starts))
-        if pages is None:
-            return None
-        first_ids = pages * p
-        ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = first_ids
-        return DecodeIds(ids, seq_lens, starts, pages, first_ids)
+        pages = None
+        if starts:
+            pages = self.alloc_pages(len(starts))
+            if pages is None:
+                return None
+        if self.device.type == "cuda":
+            from sglang_hisparse.resolver.jit import decode_module
+
+            ids = torch.empty(last_loc.shape, dtype=torch.int64, device=last_loc.device)
+            decode_module().decode_ids(last_loc, self.free_pages[:0] if pages is None else pages, ids, p)
+        else:
+            ids = decode_ids_torch(last_loc, starts, pages, p)
+        return DecodeIds(ids, seq_lens, starts, pages)
+
+
+def decode_ids_torch(last_loc: torch.Tensor, starts: list[int], pages: Optional[torch.Tensor], page_size: int
+                     ) -> torch.Tensor:
+    """The torch twin (and oracle) of the ``decode_ids`` kernel: ``last_loc + 1`` (int64), except
+    at the batch positions ``starts`` (ascending), which get ``pages * page_size`` in order."""
+    ids = torch.add(last_loc, 1, out=torch.empty(last_loc.shape, dtype=torch.int64, device=last_loc.device))
+    if starts:
+        ids[torch.tensor(starts, dtype=torch.int64).to(ids.device, non_blocking=True)] = pages * page_size
+    return ids
 
 
 @dataclass(frozen=True)
@@ -140,8 +156,6 @@ class DecodeIds:
     """Batch positions (ascending) of the requests whose new token starts a page."""
     pages: Optional[torch.Tensor]
     """int64 [len(starts)]: their new pages, in that order (None when no request starts one)."""
-    first_ids: Optional[torch.Tensor]
-    """int64 [len(starts)]: those pages' first ids (the ids handed out at the page starts)."""
 
 
 def paged_token_ids(

@@ -128,12 +128,11 @@ class ResidentDecode:
         resident. Resident requests have no write-through at a step (``HostMirror.defer``).
         ``idx_list``, ``len_list``: the step's slots and lengths; ``idxs``, ``lens``: the same as
         int64 CPU tensors. Host work: Python over the batch, one CPU tensor op (the lengths) and
-        three device ops when some request starts a page. Raises HiSparsePluginError when the
-        allocator's last decode step is not this batch's."""
+        one device launch when some request starts a page (``allocator.map_new_pages``). Raises
+        HiSparsePluginError when the allocator's last decode step is not this batch's."""
         residency = self.residency
         if not residency.holds_all(idx_list):
             return False
-        p = self.hot.page_size
         step = self.allocator.last_decode
         if step is None or step.seq_lens != len_list:
             raise HiSparsePluginError(
@@ -145,9 +144,7 @@ class ResidentDecode:
             at_page_start = [(idx_list[b], len_list[b]) for b in starts]
             if self._relieve(at_page_start):
                 return False
-            pages = residency.grow_pages(at_page_start)
-            self.allocator.map_logical(step.first_ids, pages * p)
-            self.allocator.mark_logical_pages(step.pages, True)
+            self.allocator.map_new_pages(step.pages, residency.grow_pages(at_page_start))
         residency.length[idxs] = lens
         self._last_batch = idxs
         return True

@@ -11,6 +11,7 @@
 #   job = bg <job> [args...] -> that job in the background, alongside the next ones (the call waits
 #                    for it before packing the results; its exit status counts like the others')
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
+#   job = pytest  -> python -m pytest -q [args...]   (e.g. tests/gpu/test_decode_kernel.py)
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
 #   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
@@ -57,6 +58,7 @@ run_job() {
     kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     verify) bash scripts/gpu/verify_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    pytest) python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
     sweep) python3 scripts/gpu/sweep.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;

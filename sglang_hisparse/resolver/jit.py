@@ -43,11 +43,12 @@ _locks: dict[str, threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-def kernel_source() -> Path:
-    """Path of ``resolve.cuh``: inside the installed package, or the repository's ``kernels/``."""
+def kernel_source(file: str = KERNEL_FILE) -> Path:
+    """Path of a kernel source (default ``resolve.cuh``): inside the installed package, or the
+    repository's ``kernels/``."""
     from sglang_hisparse.kernels import source_dir
 
-    path = source_dir() / KERNEL_FILE
+    path = source_dir() / file
     if not path.is_file():
         raise FileNotFoundError(f"sglang-hisparse kernel source missing: {path}")
     return path
@@ -79,6 +80,17 @@ def replay_wrappers(item_bytes: int) -> list[tuple[str, str]]:
     return [("replay", f"hisparse::replay<{item_bytes}>")]
 
 
+DECODE_KERNEL_FILE = "decode.cuh"
+DECODE_WRAPPERS = [("decode_ids", "hisparse_decode::decode_ids"), ("map_pages", "hisparse_decode::map_pages")]
+
+
+@functools.lru_cache(maxsize=None)
+def decode_module() -> Any:
+    """The decode step's id kernels (``kernels/decode.cuh``: ``decode_ids``, ``map_pages``);
+    built on first use, then cached."""
+    return _load("hisparse_decode", (), DECODE_WRAPPERS, file=DECODE_KERNEL_FILE)
+
+
 def _lock_for(key: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(key, threading.Lock())
@@ -105,15 +117,16 @@ def _target_arch() -> Optional[str]:
     return None
 
 
-def _load(name: str, args: Sequence[int], wrappers: list[tuple[str, str]], extra_flags: Sequence[str] = ()) -> Any:
-    """Build (or load from the cache) one module; serialised per module name."""
+def _load(name: str, args: Sequence[int], wrappers: list[tuple[str, str]], extra_flags: Sequence[str] = (),
+          file: str = KERNEL_FILE) -> Any:
+    """Build (or load from the cache) one module of ``kernels/<file>``; serialised per module name."""
     key = "_".join([name, *map(str, args)])
     with _lock_for(key):
         if "TVM_FFI_CUDA_ARCH_LIST" not in os.environ:
             arch = _target_arch()
             if arch is not None:
                 os.environ["TVM_FFI_CUDA_ARCH_LIST"] = arch
-        source = str(kernel_source())
+        source = str(kernel_source(file))
         try:
             from sglang.kernels.jit.utils import load_jit
         except ImportError as e:  # SGLang's JIT package unavailable: same build through tvm-ffi
