@@ -212,10 +212,11 @@ class HotBuffers:
     def close(self, idx: int) -> None:
         """Give request slot ``idx``'s rows back and reset its tables (idempotent; the slot map
         keeps its entries: with every slot empty none is confirmed). The caller unmaps the
-        request's logical ids first."""
-        if self.capacity[idx]:
-            rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
-            self.allocator.release_hot_buffer(rows)
+        request's logical ids first. A slot holding no buffer has reset tables already: nothing to do."""
+        if not self.capacity[idx]:
+            return
+        rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
+        self.allocator.release_hot_buffer(rows)
         self.slot_rows[idx].zero_()
         self.capacity[idx] = 0
         self.slot_positions[:, idx] = -1

@@ -303,11 +303,12 @@ class Residency:
         self.hot.open_with_rows(idx, rows, positions)
 
     def release(self, idx: int, logical_ids: torch.Tensor) -> None:
-        """A resident request leaves: its rows (mapped at ``logical_ids``) are freed,
-        the mapping cleared (idempotent for a slot that is not resident)."""
+        """A resident request leaves (``logical_ids``: its positions' ids): its flag, length and
+        page marks are cleared; its rows stay mapped at its ids, and SGLang's free of those ids,
+        which always follows, releases them with the ids (``HiSparseAllocator.free``: mapped rows
+        no hot buffer owns). No device sync. Idempotent for a slot that is not resident."""
         if idx not in self._members:
             return
-        self.allocator.free_prefill_rows(logical_ids)
         self._leave(idx, logical_ids)
 
     def _leave(self, idx: int, logical_ids: torch.Tensor) -> None:
