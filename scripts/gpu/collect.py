@@ -67,6 +67,9 @@ FRAGMENTS = [
     # fifteenth session: resident pages mapped inside the forward (quiet decode steps)
     ("gpu_run63/exact_default.json", None),
     ("gpu_run64/exact_default.json", None),  # the page-start-only resident step (reverted: slower)
+    # sixteenth session: the resident step, deferred resident write-through, the decode kernels
+    ("gpu_run65/exact_default.json", None),  # 15 / 16: one request's prefill chunk differed (run.md)
+    ("gpu_run67/exact_default.json", None),
 ]
 # Left out: gpu_run4/tput.json (first session's kernel; client-side timing only and no server logs
 # to recompute it from; the raw file stays).
@@ -78,6 +81,12 @@ WORKLOADS = {
     "lockstep": "lockstep: {sequences} requests (1k-61k contexts, none aborted) in one batched call",
 }
 DEVICE_CALLS = {
+    "gpu_run65": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
+                 "--max-total-tokens 262144 --budget-s 240 --out $OUT/exact_default.json + sweep ... (the no-pressure "
+                 "point: docs/results/gpu_run65/run.md)",
+    "gpu_run67": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh pytest tests/gpu/test_decode_kernel.py + e2e exactness "
+                 "--configs ours:4096:F18:arrival --max-total-tokens 262144 --budget-s 240 --out $OUT/exact_default.json "
+                 "+ sweep ... (docs/results/gpu_run67/run.md)",
     "gpu_run63": "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh e2e exactness --configs ours:4096:F18:arrival "
                  "--max-total-tokens 262144 --budget-s 300 --out $OUT/exact_default.json + sweep ... (the no-pressure "
                  "point: docs/results/gpu_run63/run.md)",
