@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
