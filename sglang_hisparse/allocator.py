@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
 from sglang_hisparse.device_rows import DeviceRows
 from sglang_hisparse.paging import DecodeIds, PageAllocator
+from sglang_hisparse.resolver.jit import decode_module
 from sglang_hisparse.stats import HostTime, timed
 
 logger = logging.getLogger(__name__)
@@ -307,8 +308,6 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         row and mark the logical page resident (the forward maps the page's later ids). On CUDA one
         kernel (``kernels/decode.cuh``, ``map_pages``), elsewhere its torch twin."""
         if self.logical_to_device.is_cuda:
-            from sglang_hisparse.resolver.jit import decode_module
-
             decode_module().map_pages(logical_pages, row_pages, self.logical_to_device, self.page_resident,
                                       self.page_size)
             return

@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from sglang_hisparse.resolver.jit import decode_module
+
 
 class PageAllocator:
     """Free list of pages. Side effects of every method are on ``free_pages`` only."""
@@ -125,8 +127,6 @@ class PageAllocator:
             if pages is None:
                 return None
         if self.device.type == "cuda":
-            from sglang_hisparse.resolver.jit import decode_module
-
             ids = torch.empty(last_loc.shape, dtype=torch.int64, device=last_loc.device)
             decode_module().decode_ids(last_loc, self.free_pages[:0] if pages is None else pages, ids, p)
         else:
