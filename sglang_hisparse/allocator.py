@@ -81,8 +81,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
                                          device=device)
         """Per logical page, 1 while it belongs to a resident request (its ids map to one page of
         rows, offset for offset): the device pool maps such a page's new ids inside the forward
-        (``HiSparseDevicePool.map_resident_writes``). Set and cleared by ``Residency`` only (a
-        resident request leaves residency before SGLang frees its ids)."""
+        (``HiSparseDevicePool.map_resident_writes``). Set by ``Residency``; cleared by ``Residency``
+        at demotion and by :meth:`free` for the pages of freed ids (a finishing resident request's
+        marks stay until SGLang frees its ids, which always follows)."""
         self.hot_buffer_rows = 0
         self.host_capacity: Optional[int] = None
         self._limited_by: Optional[str] = None
@@ -249,7 +250,9 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         return None if step is None else step.ids
 
     def free(self, free_index: torch.Tensor) -> None:
-        """Release logical ids, and the device rows still mapped to them that no hot buffer owns."""
+        """Release logical ids, and the device rows still mapped to them that no hot buffer owns;
+        the freed ids' pages are no longer resident (a finishing resident request leaves its marks
+        to this free: ``Residency.release``)."""
         if free_index.numel() == 0:
             return
         if not self.is_not_in_free_group:
@@ -257,6 +260,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
             return
         self.rows.free_unowned(self.logical_to_device[free_index])
         self.logical_to_device[free_index] = 0
+        self.page_resident[free_index // self.page_size] = 0
         self.logical.free_tokens(free_index)
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,7 @@ class HiSparseCoordinator:
         self._wait_for_producer()  # the overlapped forward may still read its rows
         self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
         if self.residency is not None and self.residency.holds(idx):
-            self.residency.release(idx, self._logical_ids(req, self.residency.length_of(idx)))
+            self.residency.release(idx)
         elif req.kv is not None:
             self.allocator.unmap_logical(self._logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)

@@ -9,8 +9,9 @@ a position -> host row table that the caller owns and passes in (the host mirror
 behaviour is ours to inherit: :meth:`alloc_paged_token_slots` (which SGLang's PD decode path
 calls) is our own, and every other mixin member is blocked here (it raises if called).
 
-Owns: host rows (the free-row list) and the host KV bytes. Copies use SGLang's transfer kernels
-on CUDA and torch indexing elsewhere.
+Owns: host rows (the free-row list), each request slot's rows as CPU tensors (so that freeing them
+reads nothing back from the device table), and the host KV bytes. Copies use SGLang's transfer
+kernels on CUDA and torch indexing elsewhere.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
             override_kv_cache_dim=device_pool.kv_cache_dim,
         )
         self.row_bytes = self.token_stride_size
+        self._rows_of: dict[int, list[torch.Tensor]] = {}
+        """Request slot -> the host rows it was given (CPU int64 chunks, position order): the same
+        rows as its table row up to its allocated end, kept on the host so that a request's rows
+        are freed without reading the (device) table back."""
 
     @property
     def capacity_tokens(self) -> int:
@@ -85,6 +90,7 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
             )
         table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
         lengths[req_pool_idx] = new_end
+        self._rows_of.setdefault(req_pool_idx, []).append(rows)
 
     def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
         """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
@@ -108,19 +114,30 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
         where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
         table[where[0], where[1]] = where[2]
         lengths[idxs] = allocated + need
+        for idx, count, chunk in zip(idxs.tolist(), need.tolist(), rows.split(need.tolist())):
+            if count:
+                self._rows_of.setdefault(idx, []).append(chunk)
 
     def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
         """Return every host row of a request to the free list and clear its table row.
-        Returns the number of rows freed (0 for a request with none)."""
+        Returns the number of rows freed (0 for a request with none). Reads only host memory (the
+        rows kept at growth), so no device sync whatever ``table``'s device."""
         allocated = int(lengths[req_pool_idx])
+        chunks = self._rows_of.pop(req_pool_idx, [])
         if allocated == 0:
             return 0
-        rows = table[req_pool_idx, :allocated]
-        rows = rows[rows >= 0]
-        freed = self.free(rows) if rows.numel() else 0
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        assert rows.numel() == allocated, f"host rows kept for slot {req_pool_idx}: {rows.numel()} != {allocated}"
+        freed = self.free(rows)
         table[req_pool_idx, :allocated] = -1
         lengths[req_pool_idx] = 0
         return freed
+
+    def rows_of(self, req_pool_idx: int) -> torch.Tensor:
+        """The host rows of a request slot, in position order, from the host-side record (CPU int64;
+        empty for a slot with none). Equals its table row up to its allocated end."""
+        chunks = self._rows_of.get(req_pool_idx, [])
+        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
 
     # --- copies ------------------------------------------------------------------------------
     def write_back(self, device_pool, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:

@@ -25,7 +25,8 @@ keeps at most ``padded`` of its own).
 
 Invariants, per resident request slot ``idx`` with ``n`` positions on the device: its rows are
 ``round_up(n, page)`` whole pages, not hot-owned (a logical free releases them); its logical pages
-are marked in ``allocator.page_resident``; the first id of each of its pages is mapped by the host
+are marked in ``allocator.page_resident`` (cleared at demotion, or by the free of its ids when it
+finishes); the first id of each of its pages is mapped by the host
 to the page's first row, and ``logical_to_device[req_to_token[idx, p]]`` is the row of every
 ``p < n`` once the forward that wrote ``p`` ran (the device pool maps ids past a page's first
 inside the forward); host code reads resident rows from page starts
@@ -302,16 +303,19 @@ class Residency:
         positions = torch.where(positions < n, positions, -1)
         self.hot.open_with_rows(idx, rows, positions)
 
-    def release(self, idx: int, logical_ids: torch.Tensor) -> None:
-        """A resident request leaves (``logical_ids``: its positions' ids): its flag, length and
-        page marks are cleared; its rows stay mapped at its ids, and SGLang's free of those ids,
-        which always follows, releases them with the ids (``HiSparseAllocator.free``: mapped rows
-        no hot buffer owns). No device sync. Idempotent for a slot that is not resident."""
+    def release(self, idx: int) -> None:
+        """A finishing resident request leaves: its flag and length are cleared; its rows stay
+        mapped at its ids and its pages stay marked until SGLang's free of those ids, which always
+        follows (the radix cache is off), releases the rows and clears the marks with the ids
+        (``HiSparseAllocator.free``). No tensor op on the device but the flag's write, no sync.
+        Idempotent for a slot that is not resident."""
         if idx not in self._members:
             return
-        self._leave(idx, logical_ids)
+        self._set_length(idx, None)
+        self.flags[idx] = 0
 
     def _leave(self, idx: int, logical_ids: torch.Tensor) -> None:
+        """A demoted request leaves residency but keeps its ids: its marks are cleared now."""
         self._set_length(idx, None)
         self.flags[idx] = 0
         self.allocator.mark_resident_pages(logical_ids[:: self.page_size], False)

@@ -109,6 +109,7 @@ class Rig:
     def counts(self) -> dict:
         c = self.coord.stats.free_counts()
         c["req_slots"] = self.req_to_token_pool.available_size()
+        c["resident_pages_marked"] = int(self.allocator.page_resident.sum())
         return c
 
     # --- prefill -----------------------------------------------------------------------------

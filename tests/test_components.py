@@ -176,7 +176,8 @@ def test_decode_ids_are_the_ids_extend_hands_out(lens, seed):
 def test_batched_host_row_growth_gives_what_growth_one_request_at_a_time_gives(gloo_world, calls):
     """``HiSparseHostPool.grow_rows`` (many requests, one allocation) leaves the table, the
     allocated lengths and the free rows exactly as ``grow_request_rows`` called for each request in
-    order does, including requests that need no new page."""
+    order does, including requests that need no new page; both keep the pool's host-side record of
+    each slot's rows equal to its table row, and freeing from that record returns every row."""
     batched, single = (Rig(gloo_world, max_reqs=6).coord.mirror for _ in range(2))
     for call in calls:
         ends = {}
@@ -189,3 +190,13 @@ def test_batched_host_row_growth_gives_what_growth_one_request_at_a_time_gives(g
         assert torch.equal(batched.row_table, single.row_table)
         assert torch.equal(batched.rows_allocated, single.rows_allocated)
         assert batched.pool.available_size() == single.pool.available_size()
+        for mirror in (batched, single):  # the host-side record of each slot's rows is its table row
+            for idx in range(6):
+                end = int(mirror.rows_allocated[idx])
+                assert torch.equal(mirror.pool.rows_of(idx), mirror.row_table[idx, :end])
+    free_before = batched.pool.available_size()
+    held = int(batched.rows_allocated.sum())
+    for idx in range(6):  # freeing from the record returns every row and clears the table row
+        batched.forget(idx)
+        assert batched.pool.rows_of(idx).numel() == 0 and bool((batched.row_table[idx] == -1).all())
+    assert batched.pool.available_size() == free_before + held
