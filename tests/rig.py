@@ -78,20 +78,23 @@ class Rig:
         replacement: str = "lru",
         query_rows: int = 1,
         slot_map: bool = False,
+        device: str = "cpu",
+        debug: bool = True,
     ):
+        self.device = torch.device(device)
         self.layers = layers
         self.query_rows = query_rows
         self.top_k = top_k
         self.B = device_buffer_size
-        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, "cpu", False)
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context, device, False)
         self.pool = HiSparseDevicePool(
             device_rows, page_size=PAGE, kv_lora_rank=KV_LORA, dtype=torch.float32,
-            qk_rope_head_dim=ROPE, layer_num=layers, device="cpu", index_head_dim=128,
+            qk_rope_head_dim=ROPE, layer_num=layers, device=device, index_head_dim=128,
             enable_memory_saver=False, kv_cache_dim=DIM, host_to_device_ratio=ratio,
         )
         self.allocator = HiSparseAllocator(
-            device_rows, PAGE, torch.float32, "cpu", self.pool, need_sort=False,
-            host_to_device_ratio=ratio, debug=True,
+            device_rows, PAGE, torch.float32, device, self.pool, need_sort=False,
+            host_to_device_ratio=ratio, debug=debug,
         )
         self.config = HiSparseConfig(
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
@@ -100,8 +103,8 @@ class Rig:
             replacement=replacement, query_rows=query_rows, slot_map=slot_map,
         )
         self.coord = HiSparseCoordinator(
-            self.req_to_token_pool, self.allocator, top_k, device_buffer_size, "cpu", group,
-            ratio, 256, config=self.config, pin_memory=False, host_to_device_ratio_override=host_ratio,
+            self.req_to_token_pool, self.allocator, top_k, device_buffer_size, device, group,
+            ratio, 256, config=self.config, pin_memory=self.device.type == "cuda", host_to_device_ratio_override=host_ratio,
             topk_sources=topk_sources,
         )
         self.initial_counts = self.counts()
@@ -122,8 +125,10 @@ class Rig:
             return False
         req.req_pool_idx = self.req_to_token_pool.free_slots.pop(0)
         n = req.prompt_len
+        d = self.device
         logical = self.allocator.alloc_extend(
-            torch.tensor([0]), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), torch.tensor([-1]), n
+            torch.tensor([0], device=d), torch.tensor([0]), torch.tensor([n], device=d), torch.tensor([n]),
+            torch.tensor([-1], device=d), n
         )
         assert logical is not None, "admission said yes, allocation said no"
         self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), logical.to(torch.int32))
@@ -132,7 +137,7 @@ class Rig:
         for layer in range(self.layers):
             self.pool.kv_buffer[layer][rows] = torch.stack(
                 [true_row(req.uid, layer, p) for p in range(n)]
-            ).view(n, 1, DIM)
+            ).view(n, 1, DIM).to(self.device)
         req.kv = SimpleNamespace(kv_allocated_len=n)
         req.extend_range = SimpleNamespace(start=0, end=n)
         req.seq_len = n
@@ -199,17 +204,18 @@ class Rig:
             return False
         idx = torch.tensor([r.req_pool_idx for r in reqs])
         seq_lens = torch.tensor([r.seq_len + 1 for r in reqs])
-        last_loc = self.req_to_token_pool.req_to_token[idx, seq_lens - 2].to(torch.int64)
-        out_loc = self.allocator.alloc_decode(seq_lens, seq_lens, last_loc)
+        idx_d, seq_lens_d = idx.to(self.device), seq_lens.to(self.device)  # SGLang's device copies
+        last_loc = self.req_to_token_pool.req_to_token[idx_d, seq_lens_d - 2].to(torch.int64)
+        out_loc = self.allocator.alloc_decode(seq_lens_d, seq_lens, last_loc)
         assert out_loc is not None
-        self.req_to_token_pool.write((idx, seq_lens - 1), out_loc.to(torch.int32))
+        self.req_to_token_pool.write((idx_d, seq_lens_d - 1), out_loc.to(torch.int32))
         for r in reqs:
             r.kv.kv_allocated_len += 1
             r.seq_len += 1
-        self.coord.map_last_loc_to_buffer(seq_lens, out_loc, idx, seq_lens, idx)
+        self.coord.map_last_loc_to_buffer(seq_lens_d, out_loc, idx_d, seq_lens, idx)
         self.coord.wait_for_pending_backup()
         for layer in range(self.layers):
-            rows = torch.stack([true_row(r.uid, layer, r.seq_len - 1) for r in reqs])
+            rows = torch.stack([true_row(r.uid, layer, r.seq_len - 1) for r in reqs]).to(self.device)
             self.pool.set_mla_kv_buffer(
                 SimpleNamespace(layer_id=layer), out_loc,
                 rows[:, :KV_LORA].view(-1, 1, KV_LORA), rows[:, KV_LORA:].view(-1, 1, ROPE),
@@ -221,16 +227,16 @@ class Rig:
         that position's true KV. ``num_padded`` extra rows imitate CUDA-graph padding."""
         top_k = self.top_k
         padded = [sel + [-1] * (top_k - len(sel)) for sel in selections] + [[-1] * top_k] * num_padded
-        positions = torch.tensor(padded, dtype=torch.int32)
-        idx = torch.tensor([r.req_pool_idx for r in reqs] + [0] * num_padded)
-        seq_lens = torch.tensor([r.seq_len for r in reqs] + [1] * num_padded)
+        positions = torch.tensor(padded, dtype=torch.int32, device=self.device)
+        idx = torch.tensor([r.req_pool_idx for r in reqs] + [0] * num_padded, device=self.device)
+        seq_lens = torch.tensor([r.seq_len for r in reqs] + [1] * num_padded, device=self.device)
         self.coord.num_real_reqs.fill_(len(reqs))
         out = self.coord.swap_in_selected_pages(idx, seq_lens, positions, layer)
         for i, (r, sel) in enumerate(zip(reqs, selections)):
             for j, p in enumerate(sel):
                 row = int(out[i, j])
                 got = self.pool.kv_buffer[layer][row, 0]
-                want = true_row(r.uid, layer, p)
+                want = true_row(r.uid, layer, p).to(self.device)
                 assert torch.equal(got, want), f"req {r.uid} layer {layer} pos {p}: row {row} holds {got[0].item()}"
             assert out[i, len(sel):].eq(-1).all()
         self.check_slot_map()

@@ -324,13 +324,21 @@ def _trace_event(name: str, cat: str, ts: float, dur: float, tid: int = 1, corr:
 
 def synthetic_decode_trace(iterations: int = 5, step_us: float = 1000.0) -> list[dict]:
     """A scheduler loop of ``iterations`` steps: each runs run_batch (one graph replay of 300 us on
-    the device, starting 50 us after its launch), then our map_last_loc_to_buffer (200 us, with a
+    the device, starting 50 us after its launch; inside it the model runner's forward_raw of 60 us, with
+    a replay of 30 us that prepares for 8 us, and a 3 us call), then our map_last_loc_to_buffer (200 us, with a
     nested write_through of 80 us that launches one kernel of 5 us and synchronizes once for 7 us)."""
     events = [_trace_event("sglang/srt/managers/scheduler.py(1): event_loop_overlap", "python_function", 0,
                            iterations * step_us + 10)]
     for i in range(iterations):
         t = 1 + i * step_us
         events.append(_trace_event("sglang/srt/managers/scheduler.py(2): run_batch", "python_function", t, 100))
+        events.append(_trace_event("sglang/srt/model_executor/model_runner.py(4): forward_raw", "python_function",
+                                   t + 1, 60))
+        events.append(_trace_event("sglang/srt/model_executor/cuda_graph_runner.py(5): replay", "python_function",
+                                   t + 2, 30))
+        events.append(_trace_event("sglang/srt/model_executor/cuda_graph_runner.py(6): replay_prepare",
+                                   "python_function", t + 3, 8))
+        events.append(_trace_event("sglang/srt/model_executor/model_runner.py(7): tiny", "python_function", t + 40, 3))
         events.append(_trace_event("cudaGraphLaunch", "cuda_runtime", t + 10, 5, corr=1000 + i))
         events.append(_trace_event("decode_graph_kernel", "kernel", t + 60, 300, tid=7, corr=1000 + i))
         ours = t + 200
@@ -358,5 +366,6 @@ def test_the_profile_summary_splits_a_step_into_ours_sglangs_and_the_devices():
     assert summary["outside_graph_kernels"] == {"index_kernel": 5.0}
     assert summary["replay_us"] == 300.0 and summary["gpu_gap_us"] == 700.0
     assert summary["sglang_by_function"] == {"run_batch": 100.0, "map_last_loc_to_buffer": 200.0, "get_next_batch_to_run": 150.0}
+    assert summary["forward_tree"] == {"replay": 30.0, "replay/replay_prepare": 8.0}  # below 5 us left out
     with pytest.raises(ValueError, match="run_batch calls"):
         profile_summary.summarize(synthetic_decode_trace(iterations=2), skip=1)

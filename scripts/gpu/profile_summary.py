@@ -20,7 +20,9 @@ iteration's wall time is the step time whenever the host is the bottleneck). Per
 * ``sglang_by_function``: host time of the scheduler loop's direct callees (what SGLang itself
   does per iteration), ``ours_detail``: inclusive host time of every function of this plugin
   (nested ones too), and ``tree``: inclusive host time per call path below the loop (depth 4,
-  paths of at least 20 us per iteration; decorator frames skipped), all as means per iteration.
+  paths of at least 20 us per iteration; decorator frames skipped), and ``forward_tree``: the same
+  below ``forward_raw`` (the model runner's forward: graph replay and what prepares it) to depth
+  10, paths of at least 5 us, all as means per iteration.
 
 Python-level tracing slows the host code it traces, so ``ours_us`` is an upper bound; the step times
 to compare implementations come from runs without the profiler (scripts/gpu/sweep.py).
@@ -147,6 +149,9 @@ def summarize(events: Iterable[dict], skip: int = 1) -> dict:
     summary["ours_detail"] = _top(_inclusive(py, thread, starts[skip], starts[-1], OURS), n, 16)
     summary["sglang_by_function"] = _top(_loop_callees(py, thread, starts[skip], starts[-1]), n)
     summary["tree"] = {k: v for k, v in _top(_call_tree(py, thread, starts[skip], starts[-1]), n, 60).items() if v >= 20}
+    deep = _call_tree(py, thread, starts[skip], starts[-1], depth=10)
+    summary["forward_tree"] = {k.split("forward_raw/", 1)[1]: v for k, v in _top(
+        {k: v for k, v in deep.items() if "forward_raw/" in k}, n, 80).items() if v >= 5}
     summary["outside_graph_kernels"] = _top(outside_names, n)
     return summary
 

@@ -1,0 +1,113 @@
+"""Our protocol calls on a decode step's path, on entering decode and on finishing never wait for the
+device. Skips without CUDA.
+
+The overlap scheduler prepares step n + 1 while the device runs step n; a host sync inside one of
+our calls stalls it until the forward in flight ends, so every sync costs that step its overlap
+(measured as the ``ready`` part of our host time growing with the prefill in flight, gpu_run68).
+The CPU rig's flows run here on CUDA with torch's sync debug mode switched on inside each guarded
+call; every synchronizing op is recorded with the source line that issued it, and the test fails
+naming those lines.
+
+Flows: residency on without pressure (requests enter resident, resident steps across page starts
+and a deferred write-through, finishing), and hot buffers only (short and long requests, the full
+step path, finishing). Demotion under pressure is not guarded: it reads selections back on
+purpose (it runs once per demoted request, not per step).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from rig import PAGE, Request, Rig  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+COORDINATOR_CALLS = ("admit_request_into_staging", "collect_ready_reqs", "device_rows_short", "map_last_loc_to_buffer",
+                     "wait_for_pending_backup", "request_finished")
+ALLOCATOR_CALLS = ("alloc_decode", "free")
+
+
+class SyncRecorder:
+    """Wraps methods so that each call runs with torch's sync debug mode on ("warn") and records
+    the ``file:line`` of every synchronizing op it issues (the Python frame that called torch)."""
+
+    def __init__(self) -> None:
+        self.sites: collections.Counter[str] = collections.Counter()
+        self._depth = 0
+
+    def guard(self, obj, name: str) -> None:
+        method = getattr(obj, name)
+
+        def guarded(*args, **kwargs):
+            if self._depth:  # nested guarded call: the outer one records
+                return method(*args, **kwargs)
+            self._depth += 1
+            previous = torch.cuda.get_sync_debug_mode()
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        return method(*args, **kwargs)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(previous)
+                        for w in caught:
+                            if "synchroniz" in str(w.message):
+                                self.sites[f"{name}: {w.filename.split('site-packages/')[-1]}:{w.lineno}"] += 1
+            finally:
+                self._depth -= 1
+
+        setattr(obj, name, guarded)
+
+    def report(self) -> str:
+        return "\n".join(f"{count:4d}x {site}" for site, count in self.sites.most_common())
+
+
+def guarded_rig(gloo_world, **kwargs) -> tuple[Rig, SyncRecorder]:
+    rig = Rig(gloo_world, device="cuda", debug=False, **kwargs)  # debug asserts read pages back: tests only
+    recorder = SyncRecorder()
+    for name in COORDINATOR_CALLS:
+        recorder.guard(rig.coord, name)
+    for name in ALLOCATOR_CALLS:
+        recorder.guard(rig.allocator, name)
+    return rig, recorder
+
+
+def run_flow(rig: Rig, reqs: list[Request], steps: int, seed: int) -> None:
+    rng = random.Random(seed)
+    for req in reqs:
+        assert rig.prefill(req)
+        rig.stage(req)
+    torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
+    assert rig.collect() == reqs
+    for _ in range(steps):
+        assert rig.decode_step(reqs)
+        for layer in range(rig.layers):
+            selections = [rng.sample(range(r.seq_len), min(rig.top_k, r.seq_len)) for r in reqs]
+            rig.resolve_and_check(reqs, layer, selections)
+    for req in reqs:
+        rig.release(req)
+    torch.cuda.synchronize()
+    assert rig.counts() == rig.initial_counts
+
+
+def test_resident_requests_enter_decode_and_finish_without_a_host_sync(gloo_world):
+    rig, recorder = guarded_rig(gloo_world, residency=True, device_rows=PAGE * 64, max_reqs=8, max_context=2048)
+    reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([100, 130, 64, 257, 400])]
+    run_flow(rig, reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
+    assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
+
+
+def test_hot_buffer_requests_enter_decode_and_finish_without_a_host_sync(gloo_world):
+    rig, recorder = guarded_rig(gloo_world, residency=False, device_rows=PAGE * 64, max_reqs=8, max_context=2048)
+    reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([60, 100, 300, 500])]  # B = 128: short and long
+    run_flow(rig, reqs, steps=70, seed=2)
+    assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
