@@ -276,16 +276,17 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         offset = logical_ids % self.page_size
         return self.logical_to_device[logical_ids - offset] + offset
 
-    def take_hot_buffer(self, logical_ids: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
+    def take_hot_buffer(self, logical_ids: torch.Tensor, keep_tokens: int, *, mapped: bool = True) -> Optional[torch.Tensor]:
         """Turn a request's device rows into its hot buffer (``DeviceRows.take_hot_buffer``) and
         clear the mapping of its ``logical_ids`` (positions ``0..n-1``, page aligned from 0).
+        ``mapped``: its ids are mapped to rows (a prefill's), else none is (PD, logical ids only).
         Returns the kept rows (int64 [keep_tokens]) or None, changing nothing."""
         p = self.page_size
         assert keep_tokens % p == 0 and 0 < keep_tokens <= self.hot_buffer_rows
         page_starts = self.logical_to_device[logical_ids][::p]
         assert page_starts.numel() * p >= keep_tokens, "fewer positions than the kept rows"
-        rows = self.rows.take_hot_buffer(page_starts, keep_tokens)
-        if rows is not None:
+        rows = self.rows.take_hot_buffer(page_starts, keep_tokens, mapped=mapped)
+        if rows is not None and mapped:
             self.logical_to_device[logical_ids] = 0
         return rows
 

@@ -226,7 +226,7 @@ class HiSparseCoordinator:
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
         resident = rows is not None
         if rows is None:
-            rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size)
+            rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size, mapped=False)
             if rows is None:
                 raise HiSparsePluginError(
                     f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "

@@ -24,6 +24,7 @@ from sglang_hisparse.paging import PageAllocator
 class DeviceRows:
     def __init__(self, size: int, page_size: int, device: torch.device | str, debug: bool = False):
         self.page_size = page_size
+        self.debug = debug
         self.pages = PageAllocator(size // page_size, page_size, device, debug)
         self.hot_owned = torch.zeros(size + page_size, dtype=torch.bool, device=device)
 
@@ -40,26 +41,28 @@ class DeviceRows:
         rows = rows[rows > 0]
         self.pages.free_tokens(rows[~self.hot_owned[rows]])
 
-    def take_hot_buffer(self, page_starts: torch.Tensor, keep_tokens: int) -> Optional[torch.Tensor]:
+    def take_hot_buffer(self, page_starts: torch.Tensor, keep_tokens: int, *, mapped: bool) -> Optional[torch.Tensor]:
         """A request's device pages become the first ``keep_tokens`` rows of its hot buffer.
 
-        ``page_starts``: the first device row of each of the request's pages, in position order
-        (0 where a page is not on device). The pages of its first ``keep_tokens`` positions
-        become rows ``0..keep_tokens-1`` (pages not on device are allocated); its later pages
-        are freed. Returns the kept rows, or None, changing nothing, when the pages to allocate
-        are not free.
-        """
+        ``page_starts``: the first device row of each of the request's pages, in position order.
+        ``mapped``: every page is on the device (a prefill's pages; the pages of its first
+        ``keep_tokens`` positions become rows ``0..keep_tokens-1`` and its later pages are freed);
+        otherwise none is (PD: logical ids only; ``keep_tokens`` rows are allocated). Returns the
+        kept rows, or None, changing nothing, when rows to allocate are not free. No host sync
+        (nothing is counted on the device); ``debug`` checks ``mapped`` against ``page_starts``."""
         p = self.page_size
-        kept = page_starts[: keep_tokens // p]
-        unmapped = kept <= 0
-        missing = int(unmapped.sum()) if kept.numel() else 0
-        if missing * p > self.room():
-            return None
-        kept_pages = kept // p
-        if missing:
-            kept_pages[unmapped] = self.pages.alloc_pages(missing)
-        dropped = page_starts[keep_tokens // p :]
-        self.pages.free_pages_(dropped[dropped > 0] // p)
+        kept_count = keep_tokens // p
+        if self.debug:
+            on_device = page_starts > 0
+            assert bool(on_device.all() if mapped else ~on_device.any()), \
+                f"take_hot_buffer(mapped={mapped}) of pages {page_starts.tolist()}"
+        if mapped:
+            kept_pages = page_starts[:kept_count] // p
+            self.pages.free_pages_(page_starts[kept_count:] // p)
+        else:
+            kept_pages = self.pages.alloc_pages(kept_count)
+            if kept_pages is None:
+                return None
         rows = self.pages.page_rows(kept_pages)
         self.hot_owned[rows] = True
         return rows
@@ -85,6 +88,11 @@ class DeviceRows:
         return rows
 
     def release_hot_buffer(self, rows: torch.Tensor) -> None:
-        """Free a hot buffer's rows."""
+        """Free a hot buffer's rows: whole pages, each in row order (every way a hot buffer gets rows
+        hands them out so), so the pages are the rows ``rows[::page]`` start; no host sync."""
+        p = self.page_size
+        if self.debug:
+            assert rows.numel() % p == 0 and torch.equal(rows.view(-1, p), self.pages.page_rows(rows[::p] // p).view(-1, p)), \
+                "a hot buffer's rows are whole pages"
         self.hot_owned[rows] = False
-        self.pages.free_tokens(rows)
+        self.pages.free_pages_(rows[::p] // p)

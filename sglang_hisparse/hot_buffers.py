@@ -79,18 +79,19 @@ class HotBuffers:
         return self.capacity[idx] > 0
 
     # --- opening -----------------------------------------------------------------------------
-    def open(self, idx: int, logical_ids: torch.Tensor, *, filled: bool) -> Optional[torch.Tensor]:
+    def open(self, idx: int, logical_ids: torch.Tensor, *, filled: bool, mapped: bool = True) -> Optional[torch.Tensor]:
         """Give request slot ``idx`` a hot buffer for its ``n = len(logical_ids)`` positions.
 
         Keeps ``min(round_up(n, page), padded)`` rows: the device pages of its first positions
         (pages not on device are allocated; the allocator frees the rest and clears the mapping).
         Later slots get rows as the request grows (:meth:`grow`). ``filled``: slot ``p`` holds
         position ``p`` in every layer (its KV is in the kept rows, or will be loaded there by the
-        caller); otherwise every slot is empty. Returns the kept rows (int64), or None with
-        nothing changed when the device rows are not free.
+        caller); otherwise every slot is empty. ``mapped``: its ids are mapped to device rows (a
+        prefill's or a resident request's), else none is (PD). Returns the kept rows (int64), or
+        None with nothing changed when the device rows are not free.
         """
         keep = min(-(-logical_ids.numel() // self.page_size) * self.page_size, self.padded)
-        rows = self.allocator.take_hot_buffer(logical_ids, keep)
+        rows = self.allocator.take_hot_buffer(logical_ids, keep, mapped=mapped)
         if rows is None:
             return None
         self.slot_rows[idx, :keep] = rows.to(torch.int32)
