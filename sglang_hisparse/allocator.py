@@ -258,9 +258,10 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         if not self.is_not_in_free_group:
             self.free_group.append(free_index)
             return
+        free_index = free_index.long()  # SGLang frees req_to_token's int32 ids; index_fill_ takes int64
         self.rows.free_unowned(self.logical_to_device[free_index])
-        self.logical_to_device[free_index] = 0
-        self.page_resident[free_index // self.page_size] = 0
+        self.logical_to_device.index_fill_(0, free_index, 0)  # index_fill_: no scalar copied to the device
+        self.page_resident.index_fill_(0, free_index // self.page_size, 0)
         self.logical.free_tokens(free_index)
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
@@ -287,7 +288,7 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         assert page_starts.numel() * p >= keep_tokens, "fewer positions than the kept rows"
         rows = self.rows.take_hot_buffer(page_starts, keep_tokens, mapped=mapped)
         if rows is not None and mapped:
-            self.logical_to_device[logical_ids] = 0
+            self.logical_to_device.index_fill_(0, logical_ids, 0)
         return rows
 
     def grow_hot_buffer(self, n_tokens: int) -> Optional[torch.Tensor]:
@@ -323,12 +324,14 @@ class HiSparseAllocator(BaseTokenToKVPoolAllocator):
         self.page_resident.index_fill_(0, logical_ids // self.page_size, int(resident))
 
     def unmap_logical(self, logical_ids: torch.Tensor) -> None:
-        self.logical_to_device[logical_ids] = 0
+        """Clear the mapping of ``logical_ids`` (int64). ``index_fill_``: ``x[ids] = 0`` would copy
+        the scalar to the device from pageable memory, which waits for the stream."""
+        self.logical_to_device.index_fill_(0, logical_ids, 0)
 
     def free_prefill_rows(self, logical_ids: torch.Tensor) -> None:
         """Free the device rows of a request still in staging (abort) and clear its mapping."""
         self.rows.free_unowned(self.logical_to_device[logical_ids])
-        self.logical_to_device[logical_ids] = 0
+        self.logical_to_device.index_fill_(0, logical_ids, 0)
 
 
 def map_new_pages_torch(logical_pages: torch.Tensor, row_pages: torch.Tensor, logical_to_device: torch.Tensor,

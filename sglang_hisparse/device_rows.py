@@ -64,7 +64,7 @@ class DeviceRows:
             if kept_pages is None:
                 return None
         rows = self.pages.page_rows(kept_pages)
-        self.hot_owned[rows] = True
+        self.hot_owned.index_fill_(0, rows, True)
         return rows
 
     def keep_pages(self, page_starts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ class DeviceRows:
         dropped[keep] = False
         self.pages.free_pages_(page_starts[dropped] // p)
         rows = self.pages.page_rows(page_starts[keep] // p)
-        self.hot_owned[rows] = True
+        self.hot_owned.index_fill_(0, rows, True)
         return rows
 
     def grow_hot_buffer(self, n_tokens: int) -> Optional[torch.Tensor]:
@@ -84,7 +84,7 @@ class DeviceRows:
         when fewer are free."""
         rows = self.pages.alloc_tokens(n_tokens)
         if rows is not None:
-            self.hot_owned[rows] = True
+            self.hot_owned.index_fill_(0, rows, True)
         return rows
 
     def release_hot_buffer(self, rows: torch.Tensor) -> None:
@@ -94,5 +94,5 @@ class DeviceRows:
         if self.debug:
             assert rows.numel() % p == 0 and torch.equal(rows.view(-1, p), self.pages.page_rows(rows[::p] // p).view(-1, p)), \
                 "a hot buffer's rows are whole pages"
-        self.hot_owned[rows] = False
+        self.hot_owned.index_fill_(0, rows, False)
         self.pages.free_pages_(rows[::p] // p)

@@ -222,7 +222,7 @@ class Residency:
 
     def _enter(self, idx: int, logical_ids: torch.Tensor) -> None:
         self._set_length(idx, logical_ids.numel())
-        self.flags[idx] = 1
+        self.flags[idx].fill_(1)  # fill_: ``flags[idx] = 1`` copies the scalar from pageable memory (a sync)
         self.allocator.mark_resident_pages(logical_ids[:: self.page_size], True)
         self.admitted_total += 1
 
@@ -312,10 +312,10 @@ class Residency:
         if idx not in self._members:
             return
         self._set_length(idx, None)
-        self.flags[idx] = 0
+        self.flags[idx].fill_(0)
 
     def _leave(self, idx: int, logical_ids: torch.Tensor) -> None:
         """A demoted request leaves residency but keeps its ids: its marks are cleared now."""
         self._set_length(idx, None)
-        self.flags[idx] = 0
+        self.flags[idx].fill_(0)
         self.allocator.mark_resident_pages(logical_ids[:: self.page_size], False)

@@ -194,3 +194,21 @@ def test_admission_counts_the_rows_a_request_holds_and_nothing_more():
     taken = a.rows.pages.alloc_tokens(a.rows.room())
     assert a.grow_hot_buffer(PAGE) is None and a.available_size() == 0, "growth takes free rows or nothing"
     a.rows.pages.free_tokens(taken)
+
+
+def test_a_free_of_int32_ids_releases_their_rows_mapping_and_resident_marks():
+    """SGLang frees ``req_to_token``'s int32 ids: their mapped rows come back, the mapping is
+    cleared and their pages are no longer marked resident (a finishing resident request leaves its
+    marks to this free), in one free group as SGLang's result processing calls it."""
+    a = make_allocator()
+    free_rows, free_ids = a.available_size(), a.decode_available_size()
+    ids = a.alloc_extend(torch.tensor([0]), torch.tensor([0]), torch.tensor([150]), torch.tensor([150]),
+                         torch.tensor([-1]), 150)
+    a.mark_resident_pages(ids[::PAGE], True)
+    assert int(a.page_resident.sum()) == 3 and a.available_size() == free_rows - 3 * PAGE
+    a.free_group_begin()
+    a.free(ids.to(torch.int32))
+    assert a.available_size() == free_rows - 3 * PAGE, "a free group frees at its end"
+    a.free_group_end()
+    assert a.available_size() == free_rows and a.decode_available_size() == free_ids
+    assert not bool(a.logical_to_device[ids].any()) and int(a.page_resident.sum()) == 0
