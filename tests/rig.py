@@ -9,6 +9,7 @@ by ``release_kv_cache``-style frees. Every KV row written is a deterministic fun
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Optional
@@ -319,6 +320,28 @@ class Rig:
         """The accepted tokens of the last verify step become committed."""
         for r in reqs:
             r.seq_len += self._accepts[r.uid]
+
+    def run_flow(self, reqs: list, steps: int, seed: int) -> None:
+        """Prefill and stage ``reqs``, collect them all into decode, run ``steps`` decode steps
+        (each layer resolved and checked against the true KV), release them; every pool is then
+        back at its initial count."""
+        rng = random.Random(seed)
+        for req in reqs:
+            assert self.prefill(req)
+            self.stage(req)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
+        assert self.collect() == reqs
+        for _ in range(steps):
+            assert self.decode_step(reqs)
+            for layer in range(self.layers):
+                selections = [rng.sample(range(r.seq_len), min(self.top_k, r.seq_len)) for r in reqs]
+                self.resolve_and_check(reqs, layer, selections)
+        for req in reqs:
+            self.release(req)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        assert self.counts() == self.initial_counts
 
     # --- leaving -----------------------------------------------------------------------------
     def release(self, req: Request, *, retract: bool = False) -> None:

@@ -28,7 +28,6 @@ compacted pages on the device.
 from __future__ import annotations
 
 import collections
-import random
 import warnings
 
 import pytest
@@ -87,7 +86,7 @@ def guarded_rig(gloo_world, **kwargs) -> tuple[Rig, SyncRecorder, SyncRecorder]:
     """A CUDA rig warmed up by one request, then guarded: the asserted calls' recorder and the
     reported-only one."""
     rig = Rig(gloo_world, device="cuda", debug=False, **kwargs)  # debug asserts read pages back: tests only
-    run_flow(rig, [Request(uid=99, prompt_len=70)], steps=2, seed=0)
+    rig.run_flow([Request(uid=99, prompt_len=70)], steps=2, seed=0)
     recorder, reported = SyncRecorder(), SyncRecorder()
     for name in COORDINATOR_CALLS:
         recorder.guard(rig.coord, name)
@@ -98,29 +97,11 @@ def guarded_rig(gloo_world, **kwargs) -> tuple[Rig, SyncRecorder, SyncRecorder]:
     return rig, recorder, reported
 
 
-def run_flow(rig: Rig, reqs: list[Request], steps: int, seed: int) -> None:
-    rng = random.Random(seed)
-    for req in reqs:
-        assert rig.prefill(req)
-        rig.stage(req)
-    torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
-    assert rig.collect() == reqs
-    for _ in range(steps):
-        assert rig.decode_step(reqs)
-        for layer in range(rig.layers):
-            selections = [rng.sample(range(r.seq_len), min(rig.top_k, r.seq_len)) for r in reqs]
-            rig.resolve_and_check(reqs, layer, selections)
-    for req in reqs:
-        rig.release(req)
-    torch.cuda.synchronize()
-    assert rig.counts() == rig.initial_counts
-
-
 def test_resident_requests_enter_decode_and_finish_without_a_host_sync(gloo_world):
     rig, recorder, reported = guarded_rig(gloo_world, residency=True, device_rows=PAGE * 64, max_reqs=8,
                                           max_context=2048)
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([100, 130, 64, 257, 400])]
-    run_flow(rig, reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
+    rig.run_flow(reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
     print("syncs in free (not asserted):\n" + reported.report())
     assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
 
@@ -129,6 +110,6 @@ def test_hot_buffer_requests_enter_decode_and_finish_without_a_host_sync(gloo_wo
     rig, recorder, reported = guarded_rig(gloo_world, residency=False, device_rows=PAGE * 64, max_reqs=8,
                                           max_context=2048)
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([60, 100, 300, 500])]  # B = 128: short and long
-    run_flow(rig, reqs, steps=70, seed=2)
+    rig.run_flow(reqs, steps=70, seed=2)
     print("syncs in free (not asserted):\n" + reported.report())
     assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
