@@ -83,7 +83,8 @@ class HotBuffers:
         """Give request slot ``idx`` a hot buffer for its ``n = len(logical_ids)`` positions.
 
         Keeps ``min(round_up(n, page), padded)`` rows: the device pages of its first positions
-        (pages not on device are allocated; the allocator frees the rest and clears the mapping).
+        (``mapped``; the allocator frees the rest and clears the mapping), or new pages (not
+        ``mapped``).
         Later slots get rows as the request grows (:meth:`grow`). ``filled``: slot ``p`` holds
         position ``p`` in every layer (its KV is in the kept rows, or will be loaded there by the
         caller); otherwise every slot is empty. ``mapped``: its ids are mapped to device rows (a
