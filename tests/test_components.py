@@ -78,7 +78,8 @@ def test_idle_reports_give_our_host_time_per_decode_step(gloo_world):
     parts = [float(x) for x in m.groups()[2:]]
     assert int(m.group(1)) == 7
     assert all(parts[i] > 0 for i in range(4)), line  # every step ran the check, alloc, map and wait
-    assert abs(float(m.group(2)) - sum(parts)) < 0.2, line
+    # each printed number is rounded to 0.1 us: the total and its parts may differ by 0.05 per number
+    assert abs(float(m.group(2)) - sum(parts)) <= 0.05 * (len(parts) + 1) + 1e-9, line
     for _ in range(3):
         assert rig.decode_step([req])
     assert "steps=3 " in rig.coord.stats.idle_report()
