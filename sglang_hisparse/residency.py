@@ -309,13 +309,15 @@ class Residency:
         follows (the radix cache is off), releases the rows and clears the marks with the ids
         (``HiSparseAllocator.free``). No tensor op on the device but the flag's write, no sync.
         Idempotent for a slot that is not resident."""
-        if idx not in self._members:
-            return
+        if idx in self._members:
+            self._drop(idx)
+
+    def _drop(self, idx: int) -> None:
+        """Slot ``idx`` stops being resident: its length (and page count) and its flag cleared."""
         self._set_length(idx, None)
         self.flags[idx].fill_(0)
 
     def _leave(self, idx: int, logical_ids: torch.Tensor) -> None:
         """A demoted request leaves residency but keeps its ids: its marks are cleared now."""
-        self._set_length(idx, None)
-        self.flags[idx].fill_(0)
+        self._drop(idx)
         self.allocator.mark_resident_pages(logical_ids[:: self.page_size], False)
