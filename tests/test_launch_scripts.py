@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -168,6 +169,10 @@ def test_the_router_script_pairs_each_request_on_both_instances(tmp_path):
     try:
         out = post_json(f"{router.url}/generate", {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 2}}, 60)
         assert out == [{"output_ids": [1, 2]}, {"output_ids": [3]}]
+        # the router answers from decode, then joins its prefill thread: that post may land just after
+        deadline = time.monotonic() + 10
+        while not prefill.bodies and time.monotonic() < deadline:
+            time.sleep(0.01)
         (sent_prefill,), (sent_decode,) = prefill.bodies, decode.bodies
         assert sent_prefill == sent_decode
         assert sent_decode["bootstrap_host"] == ["127.0.0.1"] * 2 and sent_decode["bootstrap_port"] == [9123] * 2
