@@ -60,7 +60,7 @@ FRAGMENTS: list[tuple[str, str]] = [
                                "--interleave --mem-fraction 0.3 --points none:realistic,ours:realistic --concurrency "
                                "1,16,64,128 --repeats 2 --decode-log-interval 40 --profile-levels 64 --profile-impls ours,none "
                                "--profile-steps 16 --budget-s 300 --start-margin-s 60 --level-margin-s 10 --out $OUT/np_tiny.json"),
-    ("gpu_run66/np_ds32.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --no-pressure "
+    ("gpu_run72/np_ds32.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --no-pressure "
                                "--interleave --mem-fraction 0.3 --points none:realistic,ours:realistic --concurrency "
                                "1,16,64,128 --repeats 2 --decode-log-interval 40 --budget-s 330 --start-margin-s 60 "
                                "--level-margin-s 10 --out $OUT/np_ds32.json"),
@@ -74,9 +74,9 @@ FRAGMENTS: list[tuple[str, str]] = [
 # every step), gpu_run61 (before quiet steps), gpu_run62 (quiet steps mapped on the host),
 # gpu_run63 (resident ids mapped inside the forward, the full path at page starts) and gpu_run64 (a
 # page-start-only resident step, measured slower and reverted): their run.md files. gpu_run65 (the
-# resident step), gpu_run67 (the decode kernels, one repeat) and gpu_run68 (the finishing change,
-# before the sync fixes) are in their run.md files: tiny-dsa's no-pressure panel carries gpu_run71
-# (no host sync when entering, stepping or finishing).
+# resident step), gpu_run66 (ds32-width, that code), gpu_run67 (the decode kernels, one repeat) and
+# gpu_run68 (the finishing change, before the sync fixes) are in their run.md files: the no-pressure
+# panels carry gpu_run71 (tiny-dsa) and gpu_run72 (ds32-width), the code without host syncs.
 FIRST_RESIDENCY_DEFAULT_RUN = 59
 """From gpu_run59 on, ``ours`` is the plugin's default with residency on; before it, residency was
 off by default and those calls' ``ours`` rows are hot buffers only: perf.json labels them ``ours_hot``."""
