@@ -122,7 +122,8 @@ def test_hot_buffer_requests_enter_decode_and_finish_without_a_host_sync(gloo_wo
 
 def test_the_recorder_catches_a_planted_sync_and_only_syncs():
     """The recorder is not blind: a guarded call that reads a device value back is recorded at its
-    line, and the once-per-process notice of the debug mode is not counted."""
+    line, and a quiet one records nothing (where ``quiet`` is the process's first guarded call, as
+    when this test runs alone, the debug mode's one-time notice falls in it and must not count)."""
 
     class Target:
         def quiet(self):
