@@ -77,6 +77,8 @@ FRAGMENTS: list[tuple[str, str]] = [
 # resident step), gpu_run66 (ds32-width, that code), gpu_run67 (the decode kernels, one repeat) and
 # gpu_run68 (the finishing change, before the sync fixes) are in their run.md files: the no-pressure
 # panels carry gpu_run71 (tiny-dsa) and gpu_run72 (ds32-width), the code without host syncs.
+# gpu_run73 (tiny-dsa at 64 and 128 on another machine, the same code) is in its run.md, not pooled:
+# tiny-dsa's host-bound tok/s differ by up to 40% between lent machines, so runs pair only within a call.
 FIRST_RESIDENCY_DEFAULT_RUN = 59
 """From gpu_run59 on, ``ours`` is the plugin's default with residency on; before it, residency was
 off by default and those calls' ``ours`` rows are hot buffers only: perf.json labels them ``ours_hot``."""
