@@ -1,34 +1,40 @@
 #!/usr/bin/env python3
-"""Host work of one decode step against batch size, context length and layer count, on CPU with
-real SGLang objects (the test rig, tests/rig.py), with residency (the default) and hot buffers.
+"""Host work of one decode step against batch size, context length and layer count, with real
+SGLang objects (the test rig, tests/rig.py), with residency (the default) and hot buffers; on CPU
+(the default; CI) or on a GPU (``--device cuda``, the lent H200: real launches and copies).
 
-What is timed is the Python and small-tensor work our code adds to a decode step, in SGLang's
-order: the decode memory check (``patches/decode_memory_check.py``: logical and host rows, and the
-device rows the step lacks), the logical ids of the new tokens (``alloc_decode``), the coordinator's
-``map_last_loc_to_buffer`` (write-through bookkeeping, hot-buffer and resident growth, pressure
-relief, the mapping) and ``wait_for_pending_backup``. Not timed: the per-layer resolve (inside the
-decode CUDA graph on a GPU) and the bytes of the write-through copy (one kernel launch for all
-layers on a GPU; on CPU it would be a torch loop over layers, so it is left out here).
+What is timed is our calls on a decode step's path, in SGLang's order, each apart (``--parts``):
+``check`` (``device_rows_short``, the device rows the step lacks: our part of the decode memory
+check, ``patches/decode_memory_check.py``), ``alloc`` (``alloc_decode``, the new tokens' logical
+ids), ``map`` (``map_last_loc_to_buffer``: write-through bookkeeping, hot-buffer and resident
+growth, pressure relief, the mapping) and ``wait`` (``wait_for_pending_backup``): the idle report's
+parts. SGLang's own work between them is done but not timed. Not timed: the per-layer resolve
+(inside the decode CUDA graph on a GPU). On CPU the write-through's bytes are left out too (a
+torch loop over layers there, one kernel launch on a GPU, where it is kept).
 
-A fake batch is admitted the PD way (logical ids and host rows, no prefill; garbage KV), so a
-request of 128k tokens costs no prefill. Host work must not grow with the context length or the
-layer count: ``tests/test_step_host_work.py`` runs :func:`step_host_us` with generous bounds.
+On CPU a fake batch is admitted the PD way (logical ids and host rows, no prefill; garbage KV), so
+a request of 128k tokens costs no prefill; on a GPU by prefill, staging and collect (garbage KV).
+Host work must not grow with the context length or the layer count:
+``tests/test_step_host_work.py`` runs :func:`step_host_us` with generous bounds.
 
     python scripts/bench_step_host.py [--out docs/results/step_host.json] [--repeats 3]
+    bash scripts/gpu/run.sh step-host --batches 1,64,128 --contexts 1024 --layers 8 --steps 192 --parts --profile 30
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,50 +53,98 @@ MAX_TOKENS = 1 << 20
 """Cells with more tokens than this (batch x context) are skipped: their pools would not be small."""
 
 
-def fake_batch(rig: Rig, batch: int, context: int) -> list[Request]:
-    """``batch`` requests of ``context`` tokens admitted the PD way (no prefill, garbage KV)."""
-    reqs = []
-    for uid in range(batch):
-        req = Request(uid=uid, prompt_len=context)
-        assert rig.pd_prealloc(req, context), "the fake batch's pools are too small"
-        req.seq_len = context
-        rig.coord.admit_request_direct(req)
-        req.state = "decoding"
-        reqs.append(req)
+def fake_batch(rig: Rig, batch: int, context: int, *, admit: str = "pd") -> list[Request]:
+    """``batch`` requests of ``context`` tokens in decode, with garbage KV. ``admit="pd"``: the PD
+    way (logical ids and host rows, no prefill), so a request of 128k tokens costs no prefill;
+    ``admit="prefill"``: SGLang's order (prefill ids and rows, staging copy, collect), the path the
+    GPU sync test covers."""
+    reqs = [Request(uid=uid, prompt_len=context) for uid in range(batch)]
+    for req in reqs:
+        if admit == "pd":
+            assert rig.pd_prealloc(req, context), "the fake batch's pools are too small"
+            req.seq_len = context
+            rig.coord.admit_request_direct(req)
+            req.state = "decoding"
+        else:
+            assert rig.prefill(req, write_kv=False), "the fake batch's pools are too small"
+            rig.stage(req)
+    if admit != "pd":
+        if rig.device.type == "cuda":
+            torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
+        assert rig.collect() == reqs
     return reqs
 
 
-def step_host_us(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40) -> float:
-    """Median host time (us) of one decode step's work of ours for ``batch`` requests of
-    ``context`` tokens (see the module docstring). The steps cross a page boundary of every request."""
+PARTS = ("check", "alloc", "map", "wait")
+"""Our calls of a decode step, in SGLang's order (the idle report's parts, less ``ready``)."""
+
+
+def time_steps(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40,
+               device: str = "cpu", admit: str = "pd", profiler=None) -> dict[str, list[float]]:
+    """Host seconds of each of our calls (``PARTS``) and of their sum (``total``), per decode step,
+    for ``batch`` requests of ``context`` tokens; the steps cross a page boundary of every request.
+    SGLang's own work between our calls (its tensors for the step, the ids written into
+    ``req_to_token``) is done but not timed. On CUDA the device is drained after each step,
+    untimed, as the step in flight would be in a server. ``profiler`` (a ``cProfile.Profile``) is
+    enabled around our calls only."""
     tokens = batch * (context + steps + PAGE)
     pages = -(-tokens // PAGE) + 8
-    with mock.patch.object(HiSparseHostPool, "write_back", lambda *a, **k: None), \
-            mock.patch.object(HiSparseHostPool, "load_rows", lambda *a, **k: None):
+    cuda = device == "cuda"
+    times: dict[str, list[float]] = {part: [] for part in (*PARTS, "total")}
+
+    def timed(part: str, call, *args):
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        result = call(*args)
+        times[part].append(time.perf_counter() - start)
+        if profiler is not None:
+            profiler.disable()
+        return result
+
+    with contextlib.ExitStack() as stack:
+        if not cuda:  # see the module docstring
+            stack.enter_context(mock.patch.object(HiSparseHostPool, "write_back", lambda *a, **k: None))
+            stack.enter_context(mock.patch.object(HiSparseHostPool, "load_rows", lambda *a, **k: None))
         rig = Rig(group, device_rows=PAGE * pages, device_buffer_size=256, top_k=64, max_reqs=batch + 1,
-                  max_context=context + steps + 2 * PAGE, residency=residency, residency_watermark=0.0, layers=layers)
-        reqs = fake_batch(rig, batch, context - PAGE // 2)
+                  max_context=context + steps + 2 * PAGE, residency=residency, residency_watermark=0.0, layers=layers,
+                  device=device)
+        reqs = fake_batch(rig, batch, context - PAGE // 2, admit=admit)
         idx = torch.tensor([r.req_pool_idx for r in reqs])
-        times = []
+        idx_d = idx.to(rig.device)
+        idx_list = idx.tolist()
         for _ in range(steps):
-            t = time.perf_counter()
-            assert rig.decode_fits(reqs)
-            seq_lens = torch.tensor([r.seq_len + 1 for r in reqs])
-            last_loc = rig.req_to_token_pool.req_to_token[idx, seq_lens - 2].to(torch.int64)
-            out_loc = rig.allocator.alloc_decode(seq_lens, seq_lens, last_loc)
-            rig.req_to_token_pool.write((idx, seq_lens - 1), out_loc.to(torch.int32))
-            rig.coord.map_last_loc_to_buffer(seq_lens, out_loc, idx, seq_lens, idx)
-            rig.coord.wait_for_pending_backup()
-            times.append(time.perf_counter() - t)
+            committed = [r.seq_len for r in reqs]
+            assert timed("check", rig.coord.device_rows_short, idx_list, committed) == 0
+            seq_lens = torch.tensor([n + 1 for n in committed])
+            seq_lens_d = seq_lens.to(rig.device)  # SGLang's device copy
+            last_loc = rig.req_to_token_pool.req_to_token[idx_d, seq_lens_d - 2].to(torch.int64)
+            out_loc = timed("alloc", rig.allocator.alloc_decode, seq_lens_d, seq_lens, last_loc)
+            rig.req_to_token_pool.write((idx_d, seq_lens_d - 1), out_loc.to(torch.int32))
+            timed("map", rig.coord.map_last_loc_to_buffer, seq_lens_d, out_loc, idx_d, seq_lens, idx)
+            timed("wait", rig.coord.wait_for_pending_backup)
+            times["total"].append(sum(times[part][-1] for part in PARTS))
+            if cuda:
+                torch.cuda.synchronize()
             for r in reqs:
                 r.kv.kv_allocated_len += 1
                 r.seq_len += 1
         for r in reqs:
             rig.release(r)
+        if cuda:
+            torch.cuda.synchronize()
         assert rig.counts() == rig.initial_counts
     del rig, reqs
     gc.collect()  # the next cell's pools need the memory back
-    return statistics.median(times) * 1e6
+    return times
+
+
+def step_host_us(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40,
+                 device: str = "cpu") -> float:
+    """Median host time (us) of one decode step's work of ours (:func:`time_steps`'s total)."""
+    times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=steps,
+                       device=device)
+    return statistics.median(times["total"]) * 1e6
 
 
 def init_group():
@@ -101,33 +155,75 @@ def init_group():
     return dist.group.WORLD
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def measure_cell(group, args, *, batch: int, context: int, layers: int, residency: bool, profiler=None) -> dict:
+    """The run (of ``args.repeats``) with the lowest median total: its median total (us) and, per
+    part, the median and the mean (us; the mean carries the rare steps: page starts, the deferred
+    write-through every 64 steps)."""
+    best = None
+    for _ in range(args.repeats):
+        times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=args.steps,
+                           device=args.device, admit=args.admit, profiler=profiler)
+        if best is None or statistics.median(times["total"]) < statistics.median(best["total"]):
+            best = times
+    return {"us": round(statistics.median(best["total"]) * 1e6, 1),
+            "parts": {part: {"median": round(statistics.median(v) * 1e6, 1), "mean": round(statistics.mean(v) * 1e6, 1)}
+                      for part, v in best.items()}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write the table as JSON here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--admit", choices=("pd", "prefill"), default=None,
+                   help="how the fake batch enters decode (default: pd on cpu, prefill on cuda; see fake_batch)")
     p.add_argument("--layers", default="2,8")
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    p.add_argument("--steps", type=int, default=40,
+                   help="decode steps per run (>= 64 to include a deferred write-through of resident requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure each cell this many times and keep the lowest median (a shared machine's noise only adds)")
+    p.add_argument("--parts", action="store_true", help="print each part's median / mean per cell")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile our calls (cProfile) over every cell and print the N functions with the most own time")
     args = p.parse_args()
+    if args.admit is None:
+        args.admit = "prefill" if args.device == "cuda" else "pd"
     group = init_group()
     torch.set_num_threads(1)
     machine = f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, torch {torch.__version__}"
-    print(f"machine: {machine}")
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name()}"
+    print(f"machine: {machine}; device {args.device}, admission {args.admit}, {args.steps} steps per run")
     print("layers | batch | context | resident (us/step) | hot buffers (us/step)")
+    profiler = cProfile.Profile() if args.profile else None
     rows = []
-    for layers in [int(x) for x in args.layers.split(",")]:
-        for batch in BATCHES:
-            for context in CONTEXTS:
+    for layers in _ints(args.layers):
+        for batch in _ints(args.batches):
+            for context in _ints(args.contexts):
                 if batch * context > MAX_TOKENS:
                     continue
                 cell = {"layers": layers, "batch": batch, "context": context}
                 for residency in (True, False):
-                    us = min(step_host_us(group, batch=batch, context=context, layers=layers, residency=residency)
-                             for _ in range(args.repeats))
-                    cell["resident_us" if residency else "hot_us"] = round(us, 1)
+                    measured = measure_cell(group, args, batch=batch, context=context, layers=layers,
+                                            residency=residency, profiler=profiler)
+                    key = "resident" if residency else "hot"
+                    cell[f"{key}_us"], cell[f"{key}_parts"] = measured["us"], measured["parts"]
                 rows.append(cell)
                 print(f"{layers} | {batch} | {context} | {cell['resident_us']:.0f} | {cell['hot_us']:.0f}", flush=True)
+                if args.parts:
+                    for key in ("resident", "hot"):
+                        print(f"    {key}: " + ", ".join(f"{part} {v['median']:.0f} / {v['mean']:.0f}"
+                                                         for part, v in cell[f"{key}_parts"].items()) + " (median / mean us)")
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": machine, "command": " ".join(["python"] + sys.argv),
+        Path(args.out).write_text(json.dumps({"machine": machine, "device": args.device, "admit": args.admit,
+                                              "steps": args.steps, "command": " ".join(["python"] + sys.argv),
                                               "rows": rows}, indent=1))
     return 0
 

@@ -121,7 +121,9 @@ class Rig:
         """SGLang's admission test, reduced: the prompt plus a page must fit."""
         return n + PAGE <= self.allocator.available_size() and self.req_to_token_pool.available_size() > 0
 
-    def prefill(self, req: Request) -> bool:
+    def prefill(self, req: Request, *, write_kv: bool = True) -> bool:
+        """SGLang's prefill of ``req`` reduced to what we see: logical ids, their device rows, and
+        (``write_kv``) the true KV of every position in every layer (benchmarks skip it)."""
         if not self.can_admit(req.prompt_len):
             return False
         req.req_pool_idx = self.req_to_token_pool.free_slots.pop(0)
@@ -135,7 +137,7 @@ class Rig:
         self.req_to_token_pool.write((req.req_pool_idx, slice(0, n)), logical.to(torch.int32))
         rows = self.allocator.device_rows_of(logical)
         assert bool((rows > 0).all())
-        for layer in range(self.layers):
+        for layer in range(self.layers if write_kv else 0):
             self.pool.kv_buffer[layer][rows] = torch.stack(
                 [true_row(req.uid, layer, p) for p in range(n)]
             ).view(n, 1, DIM).to(self.device)

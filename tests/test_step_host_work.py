@@ -37,3 +37,16 @@ def test_host_work_per_request_is_small(gloo_world, residency):
     us(1)
     one, many = us(1), us(256)
     assert many < 3 * one + 256 * 4, (one, many)  # at most a few microseconds per request
+
+
+@pytest.mark.parametrize("admit", ["pd", "prefill"])
+def test_the_benchmark_times_each_part_on_either_admission(gloo_world, admit):
+    """The breakdown the GPU run reads (``--parts``): every part of a step timed on its own, over
+    a run crossing a deferred write-through (64 steps), with the batch admitted either way; every
+    pool back at its initial count (checked inside)."""
+    times = bench_step_host.time_steps(gloo_world, batch=3, context=256, layers=1, residency=True, steps=70,
+                                       admit=admit)
+    assert set(times) == {*bench_step_host.PARTS, "total"}
+    assert all(len(v) == 70 for v in times.values())
+    for step in range(70):
+        assert times["total"][step] == pytest.approx(sum(times[p][step] for p in bench_step_host.PARTS))

@@ -14,6 +14,8 @@
 #   job = pytest  -> python -m pytest -q [args...]   (e.g. tests/gpu/test_decode_kernel.py)
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
+#   job = step-host -> python scripts/bench_step_host.py --device cuda --out $OUT/step_host_gpu.json [args...]
+#                    (our host work per decode step on the GPU machine, by part; no server)
 #   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
 #   job = policy  -> python scripts/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
 #                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
@@ -62,6 +64,8 @@ run_job() {
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
     sweep) python3 scripts/gpu/sweep.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    step-host) python3 scripts/bench_step_host.py --device cuda --out "$OUT/step_host_gpu.json" "$@" 2>&1 \
+                 | tee -a "$OUT/run.log" ;;
     policy) python3 scripts/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
               | tee -a "$OUT/run.log" ;;
     demo) python3 -m sglang_hisparse.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
