@@ -108,7 +108,7 @@ def time_steps(group, *, batch: int, context: int, layers: int, residency: bool,
             stack.enter_context(mock.patch.object(HiSparseHostPool, "load_rows", lambda *a, **k: None))
         rig = Rig(group, device_rows=PAGE * pages, device_buffer_size=256, top_k=64, max_reqs=batch + 1,
                   max_context=context + steps + 2 * PAGE, residency=residency, residency_watermark=0.0, layers=layers,
-                  device=device)
+                  device=device, debug=False)  # as a server runs: no debug checks (they read pages back)
         reqs = fake_batch(rig, batch, context - PAGE // 2, admit=admit)
         idx = torch.tensor([r.req_pool_idx for r in reqs])
         idx_d = idx.to(rig.device)
