@@ -279,12 +279,13 @@ class HiSparseCoordinator:
         if self.config.query_rows > 1:
             short = self.hot.window_growth(req_pool_indices, committed_lens) - self.allocator.rows.room()
             return max(0, short)
-        lens = [n + 1 for n in committed_lens]
+        # A one-token step takes free rows only where the position it writes (the committed length
+        # c) starts a page: one pass over the batch, then work for those requests alone.
+        p = self.hot.page_size
+        at_page_start = [(idx, c + 1) for idx, c in zip(req_pool_indices, committed_lens) if c % p == 0]
         if self._resident_decode is not None:
-            return self._resident_decode.rows_short(req_pool_indices, lens)
-        p = self.hot.page_size  # a one-token step grows a buffer only where its newest position starts a page
-        growing = [(idx, n) for idx, n in zip(req_pool_indices, lens) if (n - 1) % p == 0]
-        return max(0, sum(self.hot.step_growth([idx], [n]) for idx, n in growing) - self.allocator.rows.room())
+            return self._resident_decode.rows_short(at_page_start)
+        return max(0, sum(self.hot.step_growth([idx], [n]) for idx, n in at_page_start) - self.allocator.rows.room())
 
     @timed("wait")
     def wait_for_pending_backup(self) -> None:

@@ -77,26 +77,17 @@ class ResidentDecode:
         own = self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
         return torch.where(self.residency.flags[req_pool_idx].bool(), own, rows)
 
-    def _at_page_start(self, idxs, lens) -> list[tuple[int, int]]:
-        """``(slot, seq_len)`` of the requests whose newest position ``seq_len - 1`` starts a page
-        (``idxs``, ``lens``: lists or int64 CPU tensors): the only ones a one-token step takes
-        free rows for (a short hot buffer's growth and a resident request's new page both happen
-        there), usually a small share of the batch."""
-        p = self.hot.page_size
-        if isinstance(lens, torch.Tensor):
-            at = ((lens - 1) % p == 0).nonzero().view(-1)
-            return list(zip(idxs[at].tolist(), lens[at].tolist()))
-        return [(idx, n) for idx, n in zip(idxs, lens) if (n - 1) % p == 0]
-
     def _rows_taken(self, at_page_start: list[tuple[int, int]]) -> int:
         """Free rows the step takes for the requests of ``at_page_start`` as they are now."""
         residency, p = self.residency, self.hot.page_size
         return sum(p if residency.holds(idx) else self.hot.step_growth([idx], [n]) for idx, n in at_page_start)
 
-    def rows_short(self, idxs: list[int], lens: list[int]) -> int:
-        """Device rows the one-token step at ``lens`` lacks after every demotion that could help
-        (0: it fits). What :meth:`newest_rows` reaches by demoting when it must. No side effects."""
-        at_page_start = self._at_page_start(idxs, lens)
+    def rows_short(self, at_page_start: list[tuple[int, int]]) -> int:
+        """Device rows a one-token step lacks after every demotion that could help (0: it fits).
+        ``at_page_start``: ``(slot, seq_len)`` of the step's requests whose newest position
+        ``seq_len - 1`` starts a page, the only ones that take free rows (a short hot buffer's
+        growth and a resident request's new page both happen there). What :meth:`newest_rows`
+        reaches by demoting when it must. No side effects."""
         short = self._rows_taken(at_page_start) - self.allocator.rows.room()
         if short <= 0:
             return 0
