@@ -59,19 +59,11 @@ def fake_batch(rig: Rig, batch: int, context: int, *, admit: str = "pd") -> list
     ``admit="prefill"``: SGLang's order (prefill ids and rows, staging copy, collect), the path the
     GPU sync test covers."""
     reqs = [Request(uid=uid, prompt_len=context) for uid in range(batch)]
-    for req in reqs:
-        if admit == "pd":
-            assert rig.pd_prealloc(req, context), "the fake batch's pools are too small"
-            req.seq_len = context
-            rig.coord.admit_request_direct(req)
-            req.state = "decoding"
-        else:
-            assert rig.prefill(req, write_kv=False), "the fake batch's pools are too small"
-            rig.stage(req)
-    if admit != "pd":
-        if rig.device.type == "cuda":
-            torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
-        assert rig.collect() == reqs
+    if admit == "pd":
+        for req in reqs:
+            assert rig.admit_direct(req, write_kv=False), "the fake batch's pools are too small"
+    else:
+        rig.enter_by_prefill(reqs, write_kv=False)
     return reqs
 
 
@@ -139,11 +131,9 @@ def time_steps(group, *, batch: int, context: int, layers: int, residency: bool,
     return times
 
 
-def step_host_us(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40,
-                 device: str = "cpu") -> float:
-    """Median host time (us) of one decode step's work of ours (:func:`time_steps`'s total)."""
-    times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=steps,
-                       device=device)
+def step_host_us(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40) -> float:
+    """Median host time (us) of one decode step's work of ours on CPU (:func:`time_steps`'s total)."""
+    times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=steps)
     return statistics.median(times["total"]) * 1e6
 
 

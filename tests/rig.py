@@ -146,13 +146,14 @@ class Rig:
         req.seq_len = n
         return True
 
-    def admit_direct(self, req: Request) -> bool:
-        """PD decode: logical ids only, KV written straight into host rows, then direct admission."""
+    def admit_direct(self, req: Request, *, write_kv: bool = True) -> bool:
+        """PD decode: logical ids only, KV (``write_kv``; benchmarks skip it) written straight into
+        host rows, then direct admission."""
         if not self.pd_prealloc(req, req.prompt_len):
             return False
         host = self.coord.mem_pool_host
         rows = self.coord.req_to_host_pool[req.req_pool_idx, : req.prompt_len]
-        for layer in range(self.layers):
+        for layer in range(self.layers if write_kv else 0):
             host.kv_buffer[layer][rows] = torch.stack(
                 [true_row(req.uid, layer, p) for p in range(req.prompt_len)]
             ).view(req.prompt_len, 1, DIM)
@@ -187,6 +188,16 @@ class Rig:
         for req in ready:
             req.state = "decoding"
         return ready
+
+    def enter_by_prefill(self, reqs: list, *, write_kv: bool = True) -> None:
+        """Prefill and stage ``reqs``, wait for their staging copies, and collect them all into
+        decode (SGLang's order)."""
+        for req in reqs:
+            assert self.prefill(req, write_kv=write_kv)
+            self.stage(req)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
+        assert self.collect() == reqs
 
     # --- decode ------------------------------------------------------------------------------
     def decode_fits(self, reqs: list) -> bool:
@@ -328,12 +339,7 @@ class Rig:
         (each layer resolved and checked against the true KV), release them; every pool is then
         back at its initial count."""
         rng = random.Random(seed)
-        for req in reqs:
-            assert self.prefill(req)
-            self.stage(req)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the staging copies done: every request enters at the next collect
-        assert self.collect() == reqs
+        self.enter_by_prefill(reqs)
         for _ in range(steps):
             assert self.decode_step(reqs)
             for layer in range(self.layers):
