@@ -72,13 +72,14 @@ PARTS = ("check", "alloc", "map", "wait")
 
 
 def time_steps(group, *, batch: int, context: int, layers: int, residency: bool, steps: int = 40,
-               device: str = "cpu", admit: str = "pd", profiler=None) -> dict[str, list[float]]:
+               device: str = "cpu", admit: str = "pd", profiler=None, flush_every: int = 0) -> dict[str, list[float]]:
     """Host seconds of each of our calls (``PARTS``) and of their sum (``total``), per decode step,
     for ``batch`` requests of ``context`` tokens; the steps cross a page boundary of every request.
     SGLang's own work between our calls (its tensors for the step, the ids written into
     ``req_to_token``) is done but not timed. On CUDA the device is drained after each step,
     untimed, as the step in flight would be in a server. ``profiler`` (a ``cProfile.Profile``) is
-    enabled around our calls only."""
+    enabled around our calls only. ``flush_every`` (> 0): resident requests' deferred write-through
+    every this many steps instead of the default (``ResidentDecode.flush_every``)."""
     tokens = batch * (context + steps + PAGE)
     pages = -(-tokens // PAGE) + 8
     cuda = device == "cuda"
@@ -101,6 +102,8 @@ def time_steps(group, *, batch: int, context: int, layers: int, residency: bool,
         rig = Rig(group, device_rows=PAGE * pages, device_buffer_size=256, top_k=64, max_reqs=batch + 1,
                   max_context=context + steps + 2 * PAGE, residency=residency, residency_watermark=0.0, layers=layers,
                   device=device, debug=False)  # as a server runs: no debug checks (they read pages back)
+        if flush_every and residency:
+            rig.coord._resident_decode.flush_every = flush_every
         reqs = fake_batch(rig, batch, context - PAGE // 2, admit=admit)
         idx = torch.tensor([r.req_pool_idx for r in reqs])
         idx_d = idx.to(rig.device)
@@ -126,6 +129,7 @@ def time_steps(group, *, batch: int, context: int, layers: int, residency: bool,
         if cuda:
             torch.cuda.synchronize()
         assert rig.counts() == rig.initial_counts
+        rig.close()  # unpins the host pool: the next cell's pool may be mapped at its addresses
     del rig, reqs
     gc.collect()  # the next cell's pools need the memory back
     return times
@@ -156,7 +160,7 @@ def measure_cell(group, args, *, batch: int, context: int, layers: int, residenc
     best = None
     for _ in range(args.repeats):
         times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=args.steps,
-                           device=args.device, admit=args.admit, profiler=profiler)
+                           device=args.device, admit=args.admit, profiler=profiler, flush_every=args.flush_every)
         if best is None or statistics.median(times["total"]) < statistics.median(best["total"]):
             best = times
     return {"us": round(statistics.median(best["total"]) * 1e6, 1),
@@ -177,6 +181,8 @@ def main() -> int:
                    help="decode steps per run (>= 64 to include a deferred write-through of resident requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure each cell this many times and keep the lowest median (a shared machine's noise only adds)")
+    p.add_argument("--flush-every", type=int, default=0, metavar="N",
+                   help="resident requests' deferred write-through every N steps (default: the product's)")
     p.add_argument("--parts", action="store_true", help="print each part's median / mean per cell")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile our calls (cProfile) over every cell and print the N functions with the most own time")
@@ -188,7 +194,8 @@ def main() -> int:
     machine = f"{platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, torch {torch.__version__}"
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name()}"
-    print(f"machine: {machine}; device {args.device}, admission {args.admit}, {args.steps} steps per run")
+    print(f"machine: {machine}; device {args.device}, admission {args.admit}, {args.steps} steps per run"
+          + (f", deferred write-through every {args.flush_every} steps" if args.flush_every else ""))
     print("layers | batch | context | resident (us/step) | hot buffers (us/step)")
     profiler = cProfile.Profile() if args.profile else None
     rows = []
@@ -213,7 +220,7 @@ def main() -> int:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
     if args.out:
         Path(args.out).write_text(json.dumps({"machine": machine, "device": args.device, "admit": args.admit,
-                                              "steps": args.steps, "command": " ".join(["python"] + sys.argv),
+                                              "steps": args.steps, "flush_every": args.flush_every or None, "command": " ".join(["python"] + sys.argv),
                                               "rows": rows}, indent=1))
     return 0
 

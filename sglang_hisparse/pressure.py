@@ -42,6 +42,9 @@ class ResidentDecode:
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
         self._steps = 0
         """Decode steps so far (:meth:`flush_deferred`)."""
+        self.flush_every = DEFERRED_FLUSH_STEPS
+        """Decode steps between two copies of the resident requests' pending positions
+        (:meth:`flush_deferred`; a benchmark may change it)."""
         self.resolver_tables = {"resident": residency.flags, "req_to_token": req_to_token,
                                 "logical_to_device": allocator.logical_to_device}
         """The resolver's residency keywords (fixed tensors, CUDA-graph safe)."""
@@ -141,11 +144,11 @@ class ResidentDecode:
         return True
 
     def flush_deferred(self, idxs: torch.Tensor, lens: torch.Tensor) -> None:
-        """Every :data:`DEFERRED_FLUSH_STEPS`-th decode step (counted here), copy the pending
+        """Every :attr:`flush_every`-th decode step (counted here), copy the pending
         positions of the batch's resident requests to host in one copy (``idxs``, ``lens``: the
         step's int64 CPU tensors); other steps: nothing."""
         self._steps += 1
-        if self._steps % DEFERRED_FLUSH_STEPS:
+        if self._steps % self.flush_every:
             return
         resident = self.residency.mask(idxs)
         if bool(resident.any()):

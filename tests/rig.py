@@ -352,6 +352,12 @@ class Rig:
         assert self.counts() == self.initial_counts
 
     # --- leaving -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the coordinator: wait for its copies, unpin the host pool. Call it before
+        dropping a CUDA rig: a host range left registered after its mapping is freed makes the
+        next pool whose mapping lands there fail to register ("already mapped")."""
+        self.coord.destroy()
+
     def release(self, req: Request, *, retract: bool = False) -> None:
         """Finish (or retract) a request the way SGLang does: coordinator, then KV, then slot."""
         if req.state in ("staging", "decoding"):

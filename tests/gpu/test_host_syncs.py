@@ -106,7 +106,10 @@ def test_resident_requests_enter_decode_and_finish_without_a_host_sync(gloo_worl
     rig, recorder, reported = guarded_rig(gloo_world, residency=True, device_rows=PAGE * 64, max_reqs=8,
                                           max_context=2048)
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([100, 130, 64, 257, 400])]
-    rig.run_flow(reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
+    try:
+        rig.run_flow(reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
+    finally:
+        rig.close()
     print("syncs in free (not asserted):\n" + reported.report())
     assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
 
@@ -115,7 +118,10 @@ def test_hot_buffer_requests_enter_decode_and_finish_without_a_host_sync(gloo_wo
     rig, recorder, reported = guarded_rig(gloo_world, residency=False, device_rows=PAGE * 64, max_reqs=8,
                                           max_context=2048)
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([60, 100, 300, 500])]  # B = 128: short and long
-    rig.run_flow(reqs, steps=70, seed=2)
+    try:
+        rig.run_flow(reqs, steps=70, seed=2)
+    finally:
+        rig.close()
     print("syncs in free (not asserted):\n" + reported.report())
     assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
 
