@@ -156,7 +156,7 @@ def _ints(text: str) -> list[int]:
 def measure_cell(group, args, *, batch: int, context: int, layers: int, residency: bool, profiler=None) -> dict:
     """The run (of ``args.repeats``) with the lowest median total: its median total (us) and, per
     part, the median and the mean (us; the mean carries the rare steps: page starts, the deferred
-    write-through every 64 steps)."""
+    write-through every ``DEFERRED_FLUSH_STEPS``)."""
     best = None
     for _ in range(args.repeats):
         times = time_steps(group, batch=batch, context=context, layers=layers, residency=residency, steps=args.steps,
@@ -178,7 +178,7 @@ def main() -> int:
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--steps", type=int, default=40,
-                   help="decode steps per run (>= 64 to include a deferred write-through of resident requests)")
+                   help="decode steps per run (>= DEFERRED_FLUSH_STEPS, 256, to include a deferred write-through of resident requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure each cell this many times and keep the lowest median (a shared machine's noise only adds)")
     p.add_argument("--flush-every", type=int, default=0, metavar="N",

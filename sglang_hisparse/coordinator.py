@@ -245,7 +245,7 @@ class HiSparseCoordinator:
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` count the new token): write the previous tokens
         through to host where they are due (at once where the step overwrites their rows, a page at
-        a time in a short hot buffer, every few dozen steps for resident requests:
+        a time in a short hot buffer, every few hundred steps for resident requests:
         :meth:`HostMirror.write_through_step`, :meth:`ResidentDecode.flush_deferred`), grow short
         buffers and resident requests, and map the new token's logical id to its row. A batch of
         resident requests takes :meth:`ResidentDecode.resident_step` (Python over the batch, one

@@ -308,6 +308,8 @@ def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
                 rig.allocator.page_resident.clone())
 
     rigs = [Rig(gloo_world, device_rows=PAGE * 12, max_reqs=6, top_k=24, residency=True) for _ in range(2)]
+    for rig in rigs:  # a deferred write-through inside the 200 steps (the default interval is longer)
+        rig.coord._resident_decode.flush_every = 64
     reqs = [[Request(uid=u, prompt_len=n) for u, n in enumerate((40, 70, 130))] for _ in rigs]
     late = [Request(uid=9, prompt_len=90) for _ in rigs]
     lean_taken, all_resident = [], []

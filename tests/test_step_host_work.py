@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_step_host  # noqa: E402
+from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
 
 
 @pytest.mark.parametrize("residency", [True, False])
@@ -42,11 +43,12 @@ def test_host_work_per_request_is_small(gloo_world, residency):
 @pytest.mark.parametrize("admit", ["pd", "prefill"])
 def test_the_benchmark_times_each_part_on_either_admission(gloo_world, admit):
     """The breakdown the GPU run reads (``--parts``): every part of a step timed on its own, over
-    a run crossing a deferred write-through (64 steps), with the batch admitted either way; every
-    pool back at its initial count (checked inside)."""
-    times = bench_step_host.time_steps(gloo_world, batch=3, context=256, layers=1, residency=True, steps=70,
+    a run crossing a deferred write-through, with the batch admitted either way; every pool back
+    at its initial count (checked inside)."""
+    steps = DEFERRED_FLUSH_STEPS + 6
+    times = bench_step_host.time_steps(gloo_world, batch=3, context=256, layers=1, residency=True, steps=steps,
                                        admit=admit)
     assert set(times) == {*bench_step_host.PARTS, "total"}
-    assert all(len(v) == 70 for v in times.values())
-    for step in range(70):
+    assert all(len(v) == steps for v in times.values())
+    for step in range(steps):
         assert times["total"][step] == pytest.approx(sum(times[p][step] for p in bench_step_host.PARTS))

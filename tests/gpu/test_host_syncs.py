@@ -37,6 +37,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from rig import PAGE, Request, Rig  # noqa: E402,F401
+from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -107,7 +108,8 @@ def test_resident_requests_enter_decode_and_finish_without_a_host_sync(gloo_worl
                                           max_context=2048)
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([100, 130, 64, 257, 400])]
     try:
-        rig.run_flow(reqs, steps=70, seed=1)  # page starts for every request, a deferred write-through at 64
+        # page starts for every request, and a deferred write-through
+        rig.run_flow(reqs, steps=DEFERRED_FLUSH_STEPS + 6, seed=1)
     finally:
         rig.close()
     print("syncs in free (not asserted):\n" + reported.report())
