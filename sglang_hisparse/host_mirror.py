@@ -44,9 +44,10 @@ DEFERRED_FLUSH_STEPS = 256
 """Decode steps between two copies of the deferred (resident) requests' pending positions: at most
 this many positions (plus the step in flight) per resident request wait for a demotion's copy.
 A copy's host cost is mostly fixed (a dozen launches and the batch's new host pages): on the H200
-machine's host, 1.8 ms per copy at batch 128, 28 us per step amortized at 64 steps and 11 at 256
-(gpu_run74); a demotion then copies up to 256 positions (10 MB at DeepSeek-V3.2's 40 KB per
-token, a fraction of a millisecond)."""
+machine's host at batch 128, a step's ``map`` averaged 28-31 us above its median with a copy every
+64 steps and 11-12 us with one every 256 (page starts included; gpu_run74). A demotion then copies
+up to 256 positions per request (10-18 MB at DeepSeek-V3.2's 656- or 1152-byte rows over 61
+layers: a fraction of a millisecond at the host link's speed)."""
 NEVER = 2**62
 """``flush_at`` of a deferred request: no position count reaches it."""
 

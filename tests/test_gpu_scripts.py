@@ -208,7 +208,7 @@ def test_real_throughput_logs_split_into_every_level():
 def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     """scripts/gpu/perf_report.py: the same (model, impl, locality, concurrency) measured in two
     calls becomes one row with both repeats, their median and spread; relabelled calls stay apart;
-    the points and parse errors of the sweep name the allowed values."""
+    a fragment's levels can be limited; the points and parse errors of the sweep name the allowed values."""
     import perf_report
     import sweep
 
@@ -251,6 +251,9 @@ def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     assert perf_report.impl_label("gpu_run55", "ours") == "ours_hot" and perf_report.impl_label("gpu_run59", "ours") == "ours"
     assert perf_report.impl_label("gpu_run12", "ours_noio") == "ours_noio"
     assert len(perf["layer_timing"]) == 4 and perf["layer_timing"][0]["run"] == "gpu_runA"
+    # a fragment limited to other levels (measured again on later code) contributes none of its rows
+    only_a = perf_report.merge(fragments[:2], results=tmp_path, levels_taken={"gpu_runB/s.json": (8,)})
+    assert [(r["impl"], r["repeats"], r["runs_from"]) for r in only_a["rows"]] == [("ours", 2, ["gpu_runA"])]
     assert sweep.parse_points("ours_noio:realistic,none") == [("ours_noio", "realistic"), ("none", "none")]
     with pytest.raises(ValueError, match="none, upstream, ours, ours_hot, ours_noio"):
         sweep.parse_points("mine:realistic")

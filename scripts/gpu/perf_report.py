@@ -64,10 +64,18 @@ FRAGMENTS: list[tuple[str, str]] = [
                                "--interleave --mem-fraction 0.3 --points none:realistic,ours:realistic --concurrency "
                                "1,16,64,128 --repeats 2 --decode-log-interval 40 --budget-s 330 --start-margin-s 60 "
                                "--level-margin-s 10 --out $OUT/np_ds32.json"),
-    ("gpu_run69/pressure.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --interleave "
-                                "--mem-fraction 0.5 --points ours:realistic,upstream:realistic,none:realistic --concurrency 32 "
-                                "--repeats 2 --budget-s 565 --start-margin-s 120 --level-margin-s 60 --out $OUT/pressure.json "
-                                "(none's second repeat did not fit the call)"),
+    ("gpu_run75/np_tiny.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model tiny-dsa --no-pressure "
+                               "--interleave --mem-fraction 0.3 --points none:realistic,ours:realistic --concurrency "
+                               "64,128 --repeats 3 --decode-log-interval 40 --budget-s 270 --start-margin-s 40 "
+                               "--level-margin-s 5 --out $OUT/np_tiny.json"),
+    ("gpu_run76/pressure.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width --interleave "
+                                "--mem-fraction 0.5 --points ours:realistic,none:realistic --concurrency 32 --repeats 2 "
+                                "--budget-s 555 --start-margin-s 120 --level-margin-s 60 --out $OUT/pressure.json"),
+    ("gpu_run77/pressure_upstream.json", "HISPARSE_PACK_JIT=0 bash scripts/gpu/run.sh sweep --model ds32-width "
+                                         "--interleave --mem-fraction 0.5 --points upstream:realistic,ours:realistic "
+                                         "--concurrency 32 --repeats 1 --budget-s 320 --start-margin-s 100 "
+                                         "--level-margin-s 40 --out $OUT/pressure_upstream.json (the next call on the "
+                                         "machine of gpu_run76)"),
 ]
 # The no-pressure point of earlier code stays in its folders, not pooled with the code measured now:
 # gpu_run59-60 (before the host-work changes were complete, one server after another, a log line
@@ -79,6 +87,13 @@ FRAGMENTS: list[tuple[str, str]] = [
 # panels carry gpu_run71 (tiny-dsa) and gpu_run72 (ds32-width), the code without host syncs.
 # gpu_run73 (tiny-dsa at 64 and 128 on another machine, the same code) is in its run.md, not pooled:
 # tiny-dsa's host-bound tok/s differ by up to 40% between lent machines, so runs pair only within a call.
+# The final code (deferred write-through every 256 steps, nineteenth session) was measured at tiny-dsa's
+# 64 and 128 (gpu_run75) and at the pressure point (gpu_run76, gpu_run77): those levels come from
+# those calls alone; gpu_run71's 64 and 128 and gpu_run69 (the pressure point, earlier code) are in
+# their run.md files. Levels the final code was not measured at come from the latest call that did.
+LEVELS_TAKEN: dict[str, tuple[int, ...]] = {"gpu_run71/np_tiny.json": (1, 16)}
+"""Fragments of which only these concurrency levels enter perf.json (the others were measured again
+on later code, see above)."""
 FIRST_RESIDENCY_DEFAULT_RUN = 59
 """From gpu_run59 on, ``ours`` is the plugin's default with residency on; before it, residency was
 off by default and those calls' ``ours`` rows are hot buffers only: perf.json labels them ``ours_hot``."""
@@ -88,10 +103,12 @@ off by default and those calls' ``ours`` rows are hot buffers only: perf.json la
 LOCALITY_LABELS = {"gpu_run23": {"realistic": "first-dial-s8"}}
 
 
-def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
+def merge(fragments: list[tuple[str, str]], results: Path = RESULTS,
+          levels_taken: dict[str, tuple[int, ...]] = LEVELS_TAKEN) -> dict:
     """perf.json's content from the fragments (pure apart from reading them). Runs of the same
     (model, impl, locality, concurrency, KV dtype) from several calls are pooled into one row: its repeats,
-    median and spread cover them all, and ``runs_from`` names the calls."""
+    median and spread cover them all, and ``runs_from`` names the calls. A fragment named in
+    ``levels_taken`` contributes only those concurrency levels."""
     pooled: dict[tuple, dict] = {}
     timing = []
     for path, _ in fragments:
@@ -99,6 +116,8 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS) -> dict:
         run = path.split("/")[0]
         labels = LOCALITY_LABELS.get(run, {})
         for row in data["rows"]:
+            if path in levels_taken and row["concurrency"] not in levels_taken[path]:
+                continue
             key = (data["model"], impl_label(run, row["impl"]), labels.get(row["locality"], row["locality"]),
                    row["concurrency"],
                    data.get("kv_dtype", "bfloat16"),  # fragments before the fp8 option are bf16
