@@ -319,8 +319,12 @@ class HiSparseCoordinator:
 
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:
-        """Free everything the request holds here: hot buffer, host rows, mapping. Idempotent;
-        a request still in staging leaves staging."""
+        """Free everything the request holds here: hot buffer, host rows, mapping. Idempotent
+        (a PD retraction calls it twice: our offload, then SGLang's ``retract_req``); a request
+        still in staging leaves staging. Only a hot buffer's ids are unmapped: a resident
+        request's ids stay mapped to its own rows for SGLang's free of them, which follows, and
+        a request holding neither has nothing mapped of ours (a PD request whose transfer failed)
+        or is gone already."""
         idx = req.req_pool_idx
         if idx is None:
             return
@@ -332,7 +336,7 @@ class HiSparseCoordinator:
         self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
         if self.residency is not None and self.residency.holds(idx):
             self.residency.release(idx)
-        elif req.kv is not None:
+        elif self.hot.holds(idx):
             self.allocator.unmap_logical(self._logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)
         self.mirror.forget(idx)

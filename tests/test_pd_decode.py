@@ -54,8 +54,7 @@ def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len,
     assert rig.coord.hot.holds(req.req_pool_idx) != residency
     snapshot = offload_request(rig.coord, req)
     assert snapshot.shape[:2] == (rig.layers, req.seq_len)
-    req.state = "gone-coordinator"
-    rig.release(req)
+    rig.release(req, retract=True)  # SGLang's release_req: retract_req (after our offload), then the free of its ids
     assert rig.counts() == rig.initial_counts  # a retracted request holds nothing here
     other = Request(uid=8, prompt_len=200)  # its rows may reuse the freed ones
     assert rig.admit_direct(other)
