@@ -60,3 +60,41 @@ def test_index_top_k_matches_a_per_token_loop():
         assert sorted(got[t].tolist()) == sorted(want)
         chosen = [s for s in got[t].tolist() if s >= 0]
         assert all(s <= p for s in chosen)
+
+
+def test_index_keys_live_in_the_pools_page_layout():
+    """Keys go into the device pool's ``index_k_with_scale_buffer`` (what a PD transfer moves):
+    page ``l // P``, FP8 bytes at offset ``l % P``, one float32 scale per 128 dims after the
+    page's FP8 part; reading them back dequantizes within FP8's rounding, and other ids' bytes
+    are untouched."""
+    from sglang_hisparse.cpu.dsa_torch import PoolIndexKeys
+
+    torch.manual_seed(2)
+    page, dim, pages = 4, 256, 5
+    buffer = torch.zeros(pages, page * (dim + 4 * (dim // 128)), dtype=torch.uint8)
+    pool = SimpleNamespace(index_k_with_scale_buffer=[torch.zeros_like(buffer), buffer], page_size=page, start_layer=0)
+    store = PoolIndexKeys(pool, 1, dim)
+    loc = torch.tensor([5, 6, 13])
+    keys = torch.randn(3, dim) * torch.tensor([1.0, 10.0, 0.01])[:, None]
+    store.write(loc, keys)
+    back = store.read(loc)
+    block_scale = keys.view(3, -1, 128).abs().amax(dim=-1, keepdim=True) / 448
+    bound = keys.abs() * 2**-4 + (block_scale * 2**-9).expand(-1, -1, 128).reshape(3, dim)  # half an ulp; subnormals
+    assert ((back - keys).abs() <= bound * 1.0001).all()
+    assert pool.index_k_with_scale_buffer[0].count_nonzero() == 0, "another layer's buffer was written"
+    written = buffer.view(pages, -1).count_nonzero(dim=1)
+    assert written[[1, 3]].gt(0).all() and written[[0, 2, 4]].eq(0).all(), "keys must land in pages l // P"
+    scales = buffer[1, page * dim:].view(torch.float32).view(page, dim // 128)
+    assert torch.allclose(scales[1], keys[0].view(2, 128).abs().amax(dim=-1) / 448)  # id 5: page 1, offset 1
+    assert scales[0].eq(0).all() and scales[3].eq(0).all()
+    assert torch.equal(store.read(torch.tensor([4])), torch.zeros(1, dim)), "an unwritten id reads zero keys"
+
+
+def test_index_keys_refuse_a_head_dim_the_layout_cannot_hold():
+    import pytest
+
+    from sglang_hisparse.cpu.dsa_torch import PoolIndexKeys
+
+    pool = SimpleNamespace(index_k_with_scale_buffer=[torch.zeros(2, 4 * 100, dtype=torch.uint8)], page_size=4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        PoolIndexKeys(pool, 0, 96)

@@ -10,7 +10,8 @@ readable statement of what the GPU path computes:
   ``sum_h w[t, h] * relu(q[t, h] . k[s])``; the token selects the ``index_topk`` best positions
   among ``0..pos(t)``. (The GPU path also applies a Hadamard rotation to q and k before FP8
   quantization; an orthonormal rotation of both leaves q . k unchanged, so it is omitted here.)
-  Keys are stored per logical id, for the whole logical space.
+  Keys are stored per logical id, for the whole logical space, in the device pool's own index
+  buffer (FP8 with a scale per 128 dims, SGLang's page layout), where a PD transfer finds them.
 * Sparse MLA attention: each query attends, with the usual absorbed-MLA math, to the latent
   rows of its selected positions only. For decode with HiSparse, the rows come from the
   coordinator's resolver (``swap_in_selected_pages``; for a speculative verify batch,
@@ -22,7 +23,6 @@ rows: that is what the CPU end-to-end test checks.
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -32,28 +32,44 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 _QUERY_CHUNK = 256
 
 
-class IndexKeyStore:
-    """Float32 index keys per layer and logical id, owned per device pool (CPU path only)."""
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KEY_BLOCK = 128  # index-key dims per scale (the pool's ``quant_block_size``)
 
-    _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
-    def __init__(self, pool):
-        rows = getattr(pool, "index_buf_size", pool.size) + pool.page_size + 1
-        self.keys: dict[int, torch.Tensor] = {}
-        self.rows = rows
+class PoolIndexKeys:
+    """The index keys of one layer in the device pool's own buffer (``index_k_with_scale_buffer``),
+    in SGLang's page layout: per page, ``page_size x head_dim`` FP8 bytes, then ``page_size x
+    head_dim / 128`` float32 scales. Keeping them there (not in a store of ours) is what lets a PD
+    prefill instance's transfer move them to the decode instance, as on the GPU. Keys are quantized
+    per 128 dims (scale = amax / 448), as the GPU indexer's keys are; indexed by logical id."""
 
-    @classmethod
-    def of(cls, pool) -> "IndexKeyStore":
-        store = cls._stores.get(pool)
-        if store is None:
-            store = cls._stores[pool] = cls(pool)
-        return store
+    def __init__(self, pool, layer_id: int, head_dim: int):
+        if head_dim % KEY_BLOCK:
+            raise ValueError(f"the CPU DSA indexer needs index_head_dim a multiple of {KEY_BLOCK}, got {head_dim}")
+        buf = pool.index_k_with_scale_buffer[layer_id - getattr(pool, "start_layer", 0)]
+        page, blocks = pool.page_size, head_dim // KEY_BLOCK
+        if buf.shape[1] != page * (head_dim + 4 * blocks):
+            raise ValueError(f"index key buffer rows of {buf.shape[1]} bytes, expected {page * (head_dim + 4 * blocks)}")
+        self.page_size, self.blocks = page, blocks
+        self.fp8 = buf[:, : page * head_dim].view(buf.shape[0], page, head_dim)
+        self.scale = buf[:, page * head_dim:].view(buf.shape[0], page, 4 * blocks)
 
-    def layer(self, layer_id: int, dim: int) -> torch.Tensor:
-        buf = self.keys.get(layer_id)
-        if buf is None:
-            buf = self.keys[layer_id] = torch.zeros((self.rows, dim), dtype=torch.float32)
-        return buf
+    def write(self, loc: torch.Tensor, key: torch.Tensor) -> None:
+        """Store float keys ``[n, head_dim]`` at logical ids ``loc`` (side effect: the pool's buffer)."""
+        page, offset = loc // self.page_size, loc % self.page_size
+        blocks = key.float().view(key.shape[0], self.blocks, KEY_BLOCK)
+        scale = blocks.abs().amax(dim=-1).clamp_min(1e-4) / FP8_MAX  # [n, blocks]
+        quantized = (blocks / scale[..., None]).to(torch.float8_e4m3fn).view(key.shape[0], -1)
+        self.fp8[page, offset] = quantized.view(torch.uint8)
+        self.scale[page, offset] = scale.contiguous().view(torch.uint8).view(key.shape[0], -1)
+
+    def read(self, loc: torch.Tensor) -> torch.Tensor:
+        """Float32 keys ``[n, head_dim]`` at logical ids ``loc`` (dequantized; no side effects)."""
+        page, offset = loc // self.page_size, loc % self.page_size
+        n = loc.shape[0]
+        keys = self.fp8[page, offset].view(torch.float8_e4m3fn).float().view(n, self.blocks, KEY_BLOCK)
+        scale = self.scale[page, offset].contiguous().view(torch.float32).view(n, self.blocks, 1)
+        return (keys * scale).view(n, -1)
 
 
 def _request_layout(forward_batch, tokens: int) -> list[tuple[int, int, int, int]]:
@@ -96,8 +112,8 @@ def indexer_forward_native(indexer, x, q_lora, positions, forward_batch, layer_i
 
     from sglang.srt.model_executor.forward_context import get_req_to_token_pool, get_token_to_kv_pool
 
-    store = IndexKeyStore.of(get_token_to_kv_pool()).layer(layer_id, indexer.head_dim)
-    store[forward_batch.out_cache_loc.long()] = key
+    store = PoolIndexKeys(get_token_to_kv_pool(), layer_id, indexer.head_dim)
+    store.write(forward_batch.out_cache_loc.long(), key)
     if not return_indices:
         return None
 
@@ -107,7 +123,7 @@ def indexer_forward_native(indexer, x, q_lora, positions, forward_batch, layer_i
     pos_all = positions.long()
     for req_row, (first, count, _, seq_len) in enumerate(_request_layout(forward_batch, tokens)):
         req = int(forward_batch.req_pool_indices[req_row])
-        keys = store[req_to_token[req, :seq_len].long()]  # [seq_len, D]
+        keys = store.read(req_to_token[req, :seq_len].long())  # [seq_len, D]
         for c0 in range(first, first + count, _QUERY_CHUNK):
             c1 = min(c0 + _QUERY_CHUNK, first + count)
             out[c0:c1] = select_top_k(query[c0:c1], weights[c0:c1], keys, pos_all[c0:c1], top_k)
