@@ -360,8 +360,11 @@ class HiSparseCoordinator:
         return self._resident_decode.rows_now(req_pool_idx, positions)
 
     # --- helpers -----------------------------------------------------------------------------
-    def _logical_ids(self, req, n: int) -> torch.Tensor:
+    def logical_ids_of(self, req, n: int) -> torch.Tensor:
+        """The logical ids (int64) of the request's positions ``0..n-1``; no side effects."""
         return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+
+    _logical_ids = logical_ids_of
 
     def _wait_for_producer(self) -> None:
         """Order the current stream after the overlapped forward in flight (if any)."""

@@ -10,7 +10,8 @@ server (``patches/draft_runner.py``): the draft layer keeps its whole KV on the 
 SGLang's non-HiSparse path, so rejected drafts stay SGLang's business.
 
 Subclasses SGLang's ``DSATokenToKVPool`` because SGLang checks pools with ``isinstance``
-(DSA/MLA code paths, PD transfer). Owns: the device KV buffers (rows) and the indexer buffers.
+(DSA/MLA code paths, PD transfer). Owns: the device KV buffers (rows) and the indexer buffers
+(copied out and back by page when a PD decode instance retracts a request: ``index_key_pages``).
 Reads, never writes: the mapping (owned by the allocator).
 """
 
@@ -117,6 +118,23 @@ class HiSparseDevicePool(DSATokenToKVPool):
             )
         row = torch.cat([cache_k_nope.to(self.dtype), cache_k_rope.to(self.dtype)], dim=-1)
         self.kv_buffer[layer_id - self.start_layer][rows] = row.view(-1, 1, self.kv_cache_dim)
+
+    def index_key_pages(self, logical_ids: torch.Tensor) -> torch.Tensor:
+        """A copy in ordinary CPU memory of the indexer-key pages holding ``logical_ids`` (a
+        request's ids, page-aligned as the allocator hands them out): ``[layers, pages, bytes]``.
+        No side effects."""
+        pages = torch.unique_consecutive(logical_ids // self.page_size)
+        return torch.stack([buf[pages].cpu() for buf in self.index_k_with_scale_buffer])
+
+    def restore_index_key_pages(self, logical_ids: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write pages taken by :meth:`index_key_pages` into the pages holding ``logical_ids``
+        (new ids of the same positions; in-page offsets are kept, so whole pages carry over).
+        Side effect: the indexer-key buffer of every layer."""
+        target = torch.unique_consecutive(logical_ids // self.page_size)
+        if target.numel() != pages.shape[1]:
+            raise ValueError(f"{target.numel()} indexer-key pages to restore into, {pages.shape[1]} kept")
+        for buf, kept in zip(self.index_k_with_scale_buffer, pages):
+            buf[target.to(buf.device)] = kept.to(buf.device)
 
     def get_cpu_copy(self, indices, mamba_indices=None):
         raise NotImplementedError("sglang-hisparse: the HiSparse device pool has no CPU copy path")

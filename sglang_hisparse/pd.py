@@ -8,25 +8,40 @@ Both functions act through the coordinator's components; neither keeps state of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-def offload_request(coordinator: Any, req: Any) -> torch.Tensor:
-    """The KV of the request's committed positions ``0..seqlen-2`` in ordinary CPU memory
-    (``[layers, positions, 1, row]``): the last decoded token is written through first, then
-    everything the request holds in the coordinator is freed (``request_finished``)."""
+@dataclass
+class RequestSnapshot:
+    """What a retracted request keeps in ordinary CPU memory while it waits to resume."""
+
+    kv: torch.Tensor
+    """KV rows of positions ``0..n-1``: ``[layers, n, 1, row]``."""
+    index_keys: torch.Tensor
+    """The indexer-key pages of those positions: ``[layers, pages, bytes]``. They live on the
+    device by logical id, and the request gets new logical ids when it resumes."""
+
+
+def offload_request(coordinator: Any, req: Any) -> RequestSnapshot:
+    """The request's committed positions ``0..seqlen-2`` in ordinary CPU memory: their KV (the
+    last decoded token is written through first) and their indexer keys; then everything the
+    request holds in the coordinator is freed (``request_finished``)."""
     n = req.seqlen - 1
     coordinator.mirror.write_through([req.req_pool_idx], [n + 1], coordinator.device_rows_now)
-    snapshot = coordinator.mirror.snapshot(req.req_pool_idx, n)
+    kv = coordinator.mirror.snapshot(req.req_pool_idx, n)
+    index_keys = coordinator.device_pool.index_key_pages(coordinator.logical_ids_of(req, n))
     coordinator.request_finished(req)
-    return snapshot
+    return RequestSnapshot(kv=kv, index_keys=index_keys)
 
 
-def restore_request(coordinator: Any, req: Any, snapshot: torch.Tensor) -> None:
+def restore_request(coordinator: Any, req: Any, snapshot: RequestSnapshot) -> None:
     """On resume, after SGLang preallocated the request's new logical ids and host rows for the
-    snapshot's positions: write the snapshot into those rows and admit the request as a
-    transferred one (a fresh hot buffer, short requests loaded from host)."""
-    coordinator.mirror.restore(req.req_pool_idx, snapshot)
+    snapshot's positions: write the KV into those rows and the indexer keys into the new ids'
+    pages, then admit the request as a transferred one (rows of its own or a hot buffer)."""
+    n = snapshot.kv.shape[1]
+    coordinator.mirror.restore(req.req_pool_idx, snapshot.kv)
+    coordinator.device_pool.restore_index_key_pages(coordinator.logical_ids_of(req, n), snapshot.index_keys)
     coordinator.admit_request_direct(req)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from rig import PAGE, Rig, Request
 from test_coordinator_lifecycle import select
@@ -37,12 +38,40 @@ def test_pd_budgets_are_net_of_host_rows_and_held_device_rows(gloo_world):
     assert rig.counts() == rig.initial_counts
 
 
+def index_keys_of(rig, req) -> torch.Tensor:
+    """The bytes of the request's positions in every layer's indexer-key buffer (by logical id:
+    page, then the position's FP8 key bytes and its scale bytes within the page)."""
+    ids = rig.req_to_token_pool.req_to_token[req.req_pool_idx, :req.seq_len].long()
+    page, offset = ids // PAGE, ids % PAGE
+    out = []
+    for buf in rig.pool.index_k_with_scale_buffer:
+        keys = buf[:, : PAGE * 128].view(-1, PAGE, 128)[page, offset]
+        scales = buf[:, PAGE * 128:].view(-1, PAGE, 4)[page, offset]
+        out.append(torch.cat([keys, scales], dim=1))
+    return torch.stack(out)
+
+
+def write_index_keys(rig, req, seed: int) -> torch.Tensor:
+    """Random indexer-key bytes for the request's positions (as its forwards would have written);
+    returns them as :func:`index_keys_of` reads them."""
+    ids = rig.req_to_token_pool.req_to_token[req.req_pool_idx, :req.seq_len].long()
+    page, offset = ids // PAGE, ids % PAGE
+    gen = torch.Generator().manual_seed(seed)
+    for buf in rig.pool.index_k_with_scale_buffer:
+        buf[:, : PAGE * 128].view(-1, PAGE, 128)[page, offset] = torch.randint(
+            0, 256, (len(ids), 128), generator=gen, dtype=torch.uint8)
+        buf[:, PAGE * 128:].view(-1, PAGE, 4)[page, offset] = torch.randint(
+            0, 256, (len(ids), 4), generator=gen, dtype=torch.uint8)
+    return index_keys_of(rig, req)
+
+
 @pytest.mark.parametrize("residency", [False, True])
 @pytest.mark.parametrize("prompt_len, steps_before", [(300, 20), (60, 30), (60, 100)])
 def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len, steps_before, residency):
-    """Offload (the last token written through, positions 0..seqlen-2 copied out, every row
-    freed), SGLang's release and re-preallocation (new slot, logical ids and host rows), restore:
-    every later selection still resolves to the true KV. Covers a long request, a short one still
+    """Offload (the last token written through, positions 0..seqlen-2 copied out with their
+    indexer keys, every row freed), SGLang's release and re-preallocation (new slot, logical ids
+    and host rows), restore: the indexer keys are at the new ids and every later selection still
+    resolves to the true KV. Covers a long request, a short one still
     on the fast path and a short one that grew past B; with residency, a resident request."""
     rig = Rig(gloo_world, residency=residency)
     rng = random.Random(prompt_len + steps_before)
@@ -52,14 +81,17 @@ def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len,
         assert rig.decode_step([req])
         rig.resolve_and_check([req], rng.randrange(rig.layers), [select(rng, req, rig.top_k, 0.6)])
     assert rig.coord.hot.holds(req.req_pool_idx) != residency
+    keys_before = write_index_keys(rig, req, seed=prompt_len)
     snapshot = offload_request(rig.coord, req)
-    assert snapshot.shape[:2] == (rig.layers, req.seq_len)
+    assert snapshot.kv.shape[:2] == (rig.layers, req.seq_len)
     rig.release(req, retract=True)  # SGLang's release_req: retract_req (after our offload), then the free of its ids
     assert rig.counts() == rig.initial_counts  # a retracted request holds nothing here
     other = Request(uid=8, prompt_len=200)  # its rows may reuse the freed ones
     assert rig.admit_direct(other)
     assert rig.pd_prealloc(req, req.seq_len)
+    write_index_keys(rig, req, seed=99)  # the new ids' pages hold someone else's keys until restored
     restore_request(rig.coord, req, snapshot)
+    assert torch.equal(index_keys_of(rig, req), keys_before), "the indexer keys did not follow the request"
     req.state = "decoding"
     for _ in range(25):
         assert rig.decode_step([req, other])
