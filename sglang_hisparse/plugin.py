@@ -43,6 +43,7 @@ def function_seams() -> list[ModuleType]:
         draft_runner,
         idle_report,
         metrics,
+        pd_bootstrap_check,
         pd_retraction,
         request_admission,
         staging_draft,
@@ -51,8 +52,8 @@ def function_seams() -> list[ModuleType]:
         verify_step,
     )
 
-    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction, metrics,
-             verify_step, verify_forward, draft_runner, staging_draft]
+    seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction,
+             pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,
