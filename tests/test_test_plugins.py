@@ -3,13 +3,15 @@
 * ``hisparse_test_fault``: the wrong-row fault lives outside the serving code and is off by default.
 * ``hisparse_upstream_trap``: every function of SGLang's own HiSparse raises once trapped, so a
   server run with the trap on and no trap line proves none of it ran.
+* ``hisparse_batch_invariant``: asked, the CPU matrix products of the tiny model's shapes give a row
+  the same result at any batch size (what lets a PD pair be compared with a colocated server).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from sglang_hisparse.testing import fault
+from sglang_hisparse.testing import batch_invariant, fault
 
 
 class _Registry:
@@ -60,3 +62,35 @@ def test_the_upstream_trap_fires_and_our_classes_do_not_trip_it(run_fresh_python
     installed = [line for line in result.stderr.splitlines() if "trap: installed on" in line]
     assert len(installed) == 1 and int(installed[0].split("installed on ")[1].split()[0]) >= 40
     assert "trap: sglang.srt.mem_cache.pool_host.hisparse.HiSparseHostPoolMixin.alloc_page called" in result.stderr
+
+
+def test_the_batch_invariant_plugin_makes_every_row_independent_of_its_batch(monkeypatch):
+    """With oneDNN (the default) some of the tiny CPU model's bf16 projections give a row other
+    bits at other batch sizes; with the plugin asked, none does, at any row of any batch up to 40."""
+    import torch
+
+    shapes = [(256, 1024), (256, 2048), (256, 128), (256, 160), (128, 384), (64, 512), (512, 256)]
+
+    def variant_shapes() -> list:
+        gen = torch.Generator().manual_seed(0)
+        found = []
+        for k, n in shapes:
+            weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+            x = torch.randn(40, k, generator=gen).bfloat16()
+            alone = torch.cat([torch.nn.functional.linear(x[r:r + 1], weight) for r in range(40)])
+            if any(not torch.equal(torch.nn.functional.linear(x[:m], weight), alone[:m]) for m in range(2, 41)):
+                found.append((k, n))
+        return found
+
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", True)
+    monkeypatch.delenv(batch_invariant.ENV, raising=False)
+    batch_invariant.register()
+    assert torch.backends.mkldnn.enabled, "unasked, the plugin changed nothing"
+    assert variant_shapes(), "oneDNN was batch-invariant on every shape: the plugin would prove nothing here"
+    monkeypatch.setenv(batch_invariant.ENV, "yes")
+    with pytest.raises(ValueError, match="allowed values are 1, 0 or unset"):
+        batch_invariant.register()
+    monkeypatch.setenv(batch_invariant.ENV, "1")
+    batch_invariant.register()
+    assert not torch.backends.mkldnn.enabled
+    assert variant_shapes() == []

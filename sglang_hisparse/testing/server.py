@@ -127,6 +127,7 @@ def server_env(*, cpu: bool, extra: Optional[dict[str, str]] = None) -> dict[str
     env["PYTHONUNBUFFERED"] = "1"
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.setdefault("SGLANG_HISPARSE_CPU_BATCH_INVARIANT", "1")  # testing/batch_invariant.py
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CPU_STAND_IN), env.get("PYTHONPATH", "")) if p)
     env.update(extra or {})
     return env
