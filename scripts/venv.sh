@@ -22,6 +22,19 @@ pip_logged() {
     echo "[venv] pip $* failed; its output:"; tail -n 60 "$VENV/install.log"; exit 1
   fi
 }
+# mooncake's transfer engine (a test dependency: a CPU PD pair moving real KV) links libibverbs.so.1,
+# which a machine without RDMA may lack: Debian's libibverbs1 is installed when we are root, else we
+# say what to install (the PD tests then fail with mooncake's import error).
+ensure_mooncake_libs() {
+  "$VPY" -c "import mooncake.engine" 2>/dev/null && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "[venv] installing libibverbs1 (mooncake's transfer engine links it)"
+    { apt-get install -y -q libibverbs1 || { apt-get update -q && apt-get install -y -q libibverbs1; }; } \
+      >>"$VENV/install.log" 2>&1 || echo "[venv] apt-get install libibverbs1 failed (see $VENV/install.log)"
+  fi
+  "$VPY" -c "import mooncake.engine" 2>/dev/null \
+    || echo "[venv] mooncake's transfer engine does not load ($("$VPY" -c "import mooncake.engine" 2>&1 | tail -1)); install libibverbs1"
+}
 if [ ! -f "$VENV/.complete" ]; then
   echo "[venv] creating $VENV (SGLang 0.5.17 and torch: a few minutes the first time)"
   rm -rf "$VENV"
@@ -38,3 +51,4 @@ elif [ "$(cat "$VENV/.project" 2>/dev/null)" != "$ROOT $PROJECT_HASH" ]; then
 else
   echo "[venv] reusing $VENV"
 fi
+ensure_mooncake_libs
