@@ -139,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--decode", required=True, help="the decode instance's URL")
     p.add_argument("--bootstrap-port", type=int, default=8998, help="the prefill instance's bootstrap port")
     p.add_argument("--bootstrap-host", default=None, help="default: the prefill URL's host")
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on (requests are not authenticated)")
     p.add_argument("--port", type=int, default=8000)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s")

@@ -50,7 +50,29 @@ def test_defaults_are_an_8xh200_deployment_with_hisparse_on_the_decode_side():
     assert flag(decode, "--disaggregation-mode") == "decode" and "--disable-radix-cache" in decode
     assert json.loads(flag(decode, "--hisparse-config")) == {"device_buffer_size": 4096, "host_to_device_ratio": 10}
     router = dry_run("router.sh")
-    assert router[1:3] == ["-m", "sglang_hisparse.pd_router"] and flag(router, "--decode") == "http://127.0.0.1:30001"
+    assert router[1:4] == ["-m", "sglang_router.launch_router", "--pd-disaggregation"]  # SGLang's own router
+    assert router[router.index("--prefill") + 1:router.index("--prefill") + 3] == ["http://127.0.0.1:30000", "8998"]
+    assert flag(router, "--decode") == "http://127.0.0.1:30001"
+    assert dry_run("router.sh", ROUTER="hisparse")[1:3] == ["-m", "sglang_hisparse.pd_router"]
+    assert "--mini-lb" in dry_run("router.sh", ROUTER="mini")
+
+
+def test_every_script_listens_on_the_loopback_address_unless_told_otherwise():
+    """SGLang's servers and the routers take requests without authentication: nothing listens on a
+    public address by default."""
+    for script in ("colocated.sh", "pd_prefill.sh", "pd_decode.sh", "router.sh"):
+        assert flag(dry_run(script), "--host") == "127.0.0.1", script
+        assert flag(dry_run(script, HOST="10.0.0.5"), "--host") == "10.0.0.5", script
+    one_machine = subprocess.run(["bash", str(SCRIPTS / "pd_one_machine.sh"), "--dry-run"], capture_output=True,
+                                 text=True, env={**os.environ, "PYTHON": sys.executable, "HOST": "0.0.0.0"}, timeout=60)
+    assert one_machine.returncode == 0, one_machine.stderr
+    commands = [shlex.split(line) for line in one_machine.stdout.splitlines()]
+    assert len(commands) == 3 and all(flag(cmd, "--host") == "127.0.0.1" for cmd in commands)
+    prefill, decode, router = commands
+    assert flag(prefill, "--disaggregation-transfer-backend") == flag(decode, "--disaggregation-transfer-backend") \
+        == "mooncake_tcp"
+    assert "--enable-hisparse" in decode and "--enable-hisparse" not in prefill
+    assert router[1:3] == ["-m", "sglang_router.launch_router"]
 
 
 def test_every_value_is_a_variable():
@@ -182,3 +204,28 @@ def test_the_router_script_pairs_each_request_on_both_instances(tmp_path):
         router.stop()
         prefill.shutdown()
         decode.shutdown()
+
+
+@pytest.mark.slow
+def test_the_one_machine_pd_pair_moves_real_kv_at_tiny_scale(tmp_path):
+    """pd_one_machine.sh on CPU with the tiny model: a prefill instance, a HiSparse decode instance
+    and SGLang's own router (sglang-router), the KV moving over mooncake's TCP transport; a request
+    through the router completes and the decode instance's pools are back at their initial counts.
+    (Outputs against a colocated server: tests/test_e2e_cpu_pd_mooncake.py.)"""
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda", exc_type=ImportError)
+    pytest.importorskip("sglang_router", reason="needs sglang-router")
+    ports = {name: str(free_port()) for name in ("PORT", "PREFILL_PORT", "DECODE_PORT", "BOOTSTRAP_PORT")}
+    env = server_env(cpu=False, extra={**TINY, **ports, "PYTHON": sys.executable, "PREFILL_MEM_FRACTION": "0.5",
+                                       "DECODE_MEM_FRACTION": "0.5"})  # the script sets the CPU engine up itself
+    pair = run_server(["bash", str(SCRIPTS / "pd_one_machine.sh")], port=int(ports["PORT"]), env=env,
+                      log_dir=tmp_path, name="pd_one_machine", ready_timeout=400)
+    try:
+        out = post_json(f"{pair.url}/generate", {"input_ids": [5 + i % 1000 for i in range(600)],
+                                                 "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                                                     "ignore_eos": True}}, 300)
+        assert len(out["output_ids"]) == 8
+        report = wait_for_idle_report(pair)
+        assert not report["leak"] and report["admitted_resident"] > 0, report
+        assert "disaggregation_transfer_backend='mooncake_tcp'" in pair.log()
+    finally:
+        pair.stop()

@@ -26,8 +26,18 @@ dsa_backend_for() {
   esac
 }
 
+# DEVICE=cpu: SGLang's CPU engine, with the package's CPU stand-in for sgl_kernel first on PYTHONPATH
+# (what a DSA model needs to run without a GPU; sglang_hisparse/cpu/).
+cpu_engine_env() {
+  [ "$DEVICE" = cpu ] || return 0
+  local stand_in
+  stand_in=$("$PYTHON" -c "import os, sglang_hisparse.cpu as c; print(os.path.join(os.path.dirname(c.__file__), 'stand_in'))")
+  export SGLANG_USE_CPU_ENGINE=1 PYTHONPATH="$stand_in${PYTHONPATH:+:$PYTHONPATH}"
+}
+
 # The server flags every DSA deployment here shares (model, parallel layout, KV, backends).
 server_flags() {
+  cpu_engine_env
   flags=(--model-path "$MODEL" --trust-remote-code --host "$HOST" --port "$PORT" --device "$DEVICE"
          --tp-size "$TP" --dp-size "$DP" --kv-cache-dtype "$KV_CACHE_DTYPE" --page-size 64
          --mem-fraction-static "$MEM_FRACTION_STATIC")

@@ -3,7 +3,7 @@
 # its pinned host pool; each decoding request holds only a B-slot hot buffer per layer on the GPU.
 # E.g. DeepSeek-V3.2 on its own 8 x H200 host, TP 8 with DP attention 8.
 #   bash scripts/launch/pd_decode.sh [--dry-run] [--plan]
-# Variables: MODEL, DEVICE, TP, DP, DP_ATTENTION, BASE_GPU_ID, HOST (0.0.0.0), PORT (30001),
+# Variables: MODEL, DEVICE, TP, DP, DP_ATTENTION, BASE_GPU_ID, HOST (127.0.0.1; a public address only deliberately: SGLang serves without authentication), PORT (30001),
 # KV_CACHE_DTYPE and DSA_BACKEND (as the prefill instance), MEM_FRACTION_STATIC, CONTEXT_LENGTH,
 # TRANSFER_BACKEND (mooncake; mooncake_tcp without RDMA; fake for a smoke test: no KV moves),
 # IB_DEVICE, DEVICE_BUFFER_SIZE (B, 4096), HOST_TO_DEVICE_RATIO (10), HISPARSE_EXTRA, EXTRA_ARGS;
@@ -11,7 +11,7 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 source "$(dirname "$0")/defaults.sh"
-HOST=${HOST:-0.0.0.0}
+HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-30001}
 TRANSFER_BACKEND=${TRANSFER_BACKEND:-mooncake}
 IB_DEVICE=${IB_DEVICE:-}

@@ -3,14 +3,14 @@
 # the decode instance's pinned host pool through the transfer backend), e.g. DeepSeek-V3.2 on its
 # own 8 x H200 host.
 #   bash scripts/launch/pd_prefill.sh [--dry-run]
-# Variables: MODEL, DEVICE, TP, DP, DP_ATTENTION, BASE_GPU_ID, HOST (0.0.0.0), PORT (30000),
+# Variables: MODEL, DEVICE, TP, DP, DP_ATTENTION, BASE_GPU_ID, HOST (127.0.0.1; a public address only deliberately: SGLang serves without authentication), PORT (30000),
 # KV_CACHE_DTYPE and DSA_BACKEND (must match the decode instance), MEM_FRACTION_STATIC,
 # CONTEXT_LENGTH, TRANSFER_BACKEND (mooncake; mooncake_tcp without RDMA), IB_DEVICE (RDMA device,
 # optional), BOOTSTRAP_PORT (8998), EXTRA_ARGS.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 source "$(dirname "$0")/defaults.sh"
-HOST=${HOST:-0.0.0.0}
+HOST=${HOST:-127.0.0.1}
 PORT=${PORT:-30000}
 TRANSFER_BACKEND=${TRANSFER_BACKEND:-mooncake}
 IB_DEVICE=${IB_DEVICE:-}
