@@ -267,7 +267,7 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
                     tag=workload + log_suffix, overlap=not args.no_overlap,
                     wait_for_staging=args.wait_for_staging and impl in OURS, model=args.model,
                     kv_dtype=args.kv_dtype, more_flags=(*spec_flags(args.spec_steps), *parallel_flags(args)),
-                    more_env=accept_all_env(args.spec_steps) if args.accept_all else None)
+                    more_env=run_env(args))
     tag = f"{impl} B={buffer} graph={graph_mode} {workload} {args.kv_dtype}"
     print(f"[e2e] {tag}: up in {time.time() - t:.0f}s", flush=True)
     try:
@@ -279,6 +279,16 @@ def run_workload(impl: str, buffer: int, graph_mode: str, workload: str, args, l
         return outputs, report, decode_trace(parse_batches(settled_log(server)))
     finally:
         server.stop()
+
+
+def run_env(args) -> dict[str, str]:
+    """Environment every server of an exactness run gets (the baseline too): simulated acceptance
+    (``--accept-all``) and SGLang's test retraction (``--retract``: a running decode request is
+    retracted every third scheduler step)."""
+    env = accept_all_env(args.spec_steps) if args.accept_all else {}
+    if getattr(args, "retract", False):
+        env["SGLANG_TEST_RETRACT"] = "1"
+    return env
 
 
 def parallel_flags(args) -> tuple[str, ...]:
@@ -345,6 +355,7 @@ def exactness(args) -> dict:
                    "forced_acceptance": bool(args.accept_all),
                    "overlap_schedule": not args.no_overlap,
                    "wait_for_staging": args.wait_for_staging and impl in OURS, "tp": args.tp, "dp": args.dp,
+                   "retract": args.retract,
                    "sequences": len(names),
                    "identical": sum(d is None for d in first_diff), "first_diff": first_diff,
                    "aborted_finish": [outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason") for i in ABORTED],
@@ -507,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--wait-for-staging", action="store_true",
                    help='ours with "wait_for_staging": true (prefilled requests join decode in the same step '
                         "as without HiSparse; with --no-overlap the decode batches are the baseline's)")
+    e.add_argument("--retract", action="store_true",
+                   help="every server (the baseline too) with SGLANG_TEST_RETRACT=1: a decode request retracted "
+                        "every third scheduler step (colocated, a retracted request is prefilled again on resume)")
     e.add_argument("--tp", type=int, default=1, help="--tp-size of every server (the baseline too)")
     e.add_argument("--dp", type=int, default=1,
                    help="--dp-size with --enable-dp-attention on every server (the baseline too); needs --tp >= dp")

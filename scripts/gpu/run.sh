@@ -4,6 +4,8 @@
 # Runs on the H200 test machine from the repository root, with `carry: [".site"]` holding
 #   .site/site.tar.xz          SGLang 0.5.17 and what the image lacks (scripts/gpu/build_site.sh)
 #   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
+#   .site/pd.tar.xz            optional: mooncake's transfer engine and sglang-router's MiniLB for a real PD
+#                              pair (scripts/gpu/build_pd_bundle.sh)
 #   .jit/*.tar.xz              optional: JIT caches brought back by an earlier call (carry .jit)
 # Usage: bash scripts/gpu/run.sh <job> [args...] [+ <job> [args...] ...]   (jobs run in order)
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
@@ -13,6 +15,8 @@
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
 #   job = pytest  -> python -m pytest -q [args...]   (e.g. tests/gpu/test_decode_kernel.py)
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
+#   job = pd      -> python scripts/gpu/pd.py [args...]   (a PD pair moving real KV: exactness, throughput;
+#                    carry .site/pd.tar.xz; docs/pd.md)
 #   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
 #   job = step-host -> python scripts/bench_step_host.py --device cuda --out $OUT/step_host_gpu.json [args...]
 #                    (our host work per decode step on the GPU machine, by part; no server)
@@ -33,6 +37,27 @@ if [ ! -f /tmp/site/.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .site/sglang_hisparse-*.whl >/dev/null 2>&1 \
     || { log "cannot install our wheel"; exit 2; }
   touch /tmp/site/.ok
+fi
+# optional: .site/pd.tar.xz (scripts/gpu/build_pd_bundle.sh), the transfer engine and router of a real PD pair;
+# of its system libraries only those the machine lacks go on LD_LIBRARY_PATH (found with ldd, to a fixpoint)
+if [ -f .site/pd.tar.xz ] && [ ! -f /tmp/site/.pd_ok ]; then
+  mkdir -p /tmp/pd_bundle /tmp/pd_libs
+  python3 -c "import tarfile; tarfile.open('.site/pd.tar.xz').extractall('/tmp/pd_bundle')" || { log "cannot extract .site/pd.tar.xz"; exit 2; }
+  cp -a /tmp/pd_bundle/site/. /tmp/site/
+  cudart=$(python3 -c "import glob, site; print(next(iter(glob.glob(site.getsitepackages()[0] + '/nvidia/**/libcudart.so.13', recursive=True)), ''))")
+  [ -n "$cudart" ] && ln -sf "$cudart" /tmp/pd_libs/  # torch's CUDA runtime, which engine.so links
+  for _ in 1 2 3 4 5; do
+    missing=$(LD_LIBRARY_PATH=/tmp/pd_libs ldd /tmp/site/mooncake/engine.so /tmp/pd_libs/*.so* 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
+    [ -z "$missing" ] && break
+    for lib in $missing; do [ -e "/tmp/pd_bundle/syslibs/$lib" ] && cp -aL "/tmp/pd_bundle/syslibs/$lib" /tmp/pd_libs/; done
+  done
+  log "PD bundle: system libraries carried in: $(ls /tmp/pd_libs | tr '\n' ' ')${missing:+; still missing: $missing}"
+  touch /tmp/site/.pd_ok
+fi
+if [ -d /tmp/pd_libs ]; then
+  export LD_LIBRARY_PATH=/tmp/pd_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  PYTHONPATH=/tmp/site python3 -c "import torch; from mooncake.engine import TransferEngine" 2>&1 | tail -1 | sed 's/^/[pd bundle] /' \
+    | tee -a "$OUT/run.log"
 fi
 for cache in .jit/*.tar.xz; do
   if [ -f "$cache" ]; then
@@ -64,6 +89,7 @@ run_job() {
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
     sweep) python3 scripts/gpu/sweep.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    pd) python3 scripts/gpu/pd.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     step-host) python3 scripts/bench_step_host.py --device cuda --out "$OUT/step_host_gpu.json" "$@" 2>&1 \
                  | tee -a "$OUT/run.log" ;;
     policy) python3 scripts/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
