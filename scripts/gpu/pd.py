@@ -80,7 +80,7 @@ def start_servers(args, decodes: list[tuple[str, int, bool]], *, colocated_basel
     are stopped)."""
     bootstrap_port = free_port()
     cpu = args.device == "cpu"
-    model = args.model if not cpu else "tiny-dsa-cpu"
+    model = model_name(args)
     base_env = {**e2e.ENV} if not cpu else {}
     common = server_flags(args, graph_bs=graph_bs, max_running=max_running) + ONE_PREFILL_PER_BATCH
     specs: dict[str, dict] = {}
@@ -122,8 +122,19 @@ def stop_all(*servers: Server | None) -> None:
 
 
 # --- exactness ---------------------------------------------------------------------------------
+def model_name(args) -> str:
+    return args.model if args.device != "cpu" else "tiny-dsa-cpu"
+
+
+def use_model_vocabulary(args) -> None:
+    """Prompts draw token ids below the served model's vocabulary size (e2e.prompts)."""
+    config = json.loads((e2e.ROOT / "sglang_hisparse/testing/models" / model_name(args) / "config.json").read_text())
+    e2e.VOCAB = config["vocab_size"]
+
+
 def exactness(args) -> dict:
     decodes = [parse_decode(d) for d in args.decodes.split(",")]
+    use_model_vocabulary(args)
     if args.workload_scale != 1.0:  # a CPU rehearsal of the script: the same workload, shorter prompts
         e2e.FIRST_WAVE = [max(16, int(n * args.workload_scale)) for n in e2e.FIRST_WAVE]
         e2e.SECOND_WAVE = [max(16, int(n * args.workload_scale)) for n in e2e.SECOND_WAVE]
@@ -158,7 +169,7 @@ def exactness(args) -> dict:
         base_trace = decode_trace(parse_batches(e2e.settled_log(base)))
         for (impl, buffer, retract), (name, server) in zip(decodes, decode_servers.items()):
             row: dict = {"impl": impl, "B": buffer, "pd": True, "transfer_backend": TRANSFER_BACKEND,
-                         "retract": retract, "model": args.model if args.device != "cpu" else "tiny-dsa-cpu",
+                         "retract": retract, "model": model_name(args),
                          "device": args.device, "graph_bs": args.graph_bs, "max_total_tokens": args.max_total_tokens,
                          "ratio": args.ratio, "prefill_max_requests": 1}
             if name in errors:
@@ -167,7 +178,7 @@ def exactness(args) -> dict:
             outputs = results[name]
             names, first_diff = e2e.compare(baseline, outputs)
             report = wait_for_idle_report(server, after=before[name]) if impl.startswith("ours") else None
-            log = e2e.settled_log(server)
+            log = e2e.settled_log(clients[name])  # through the router: a decode instance takes no unpaired request
             row.update(sequences=len(names), identical=sum(d is None for d in first_diff), first_diff=first_diff,
                        aborted_finish=[outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason")
                                        for i in e2e.ABORTED],
@@ -223,6 +234,7 @@ def measure_point(pair: RoutedPair, batch: list[list[int]], new_tokens: int, our
 
 def throughput(args) -> dict:
     impls = args.decodes.split(",")
+    use_model_vocabulary(args)
     decodes = [(impl, args.buffer, False) for impl in impls]
     points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     max_running = max(n for n, _ in points) + 1
