@@ -132,6 +132,12 @@ def use_model_vocabulary(args) -> None:
     e2e.VOCAB = config["vocab_size"]
 
 
+def aborted_outcome(output: dict) -> object:
+    """What an aborted request returned: its finish reason, or the error the client got (through a
+    router an aborted request may end in an HTTP error rather than a finish reason)."""
+    return output.get("meta_info", {}).get("finish_reason") or output.get("error")
+
+
 def exactness(args) -> dict:
     decodes = [parse_decode(d) for d in args.decodes.split(",")]
     use_model_vocabulary(args)
@@ -180,8 +186,7 @@ def exactness(args) -> dict:
             report = wait_for_idle_report(server, after=before[name]) if impl.startswith("ours") else None
             log = e2e.settled_log(clients[name])  # through the router: a decode instance takes no unpaired request
             row.update(sequences=len(names), identical=sum(d is None for d in first_diff), first_diff=first_diff,
-                       aborted_finish=[outputs.get(f"w2-{i}", {}).get("meta_info", {}).get("finish_reason")
-                                       for i in e2e.ABORTED],
+                       aborted_finish=[aborted_outcome(outputs.get(f"w2-{i}", {})) for i in e2e.ABORTED],
                        retractions=log.count("Testing retraction"),
                        decode_trace=decode_trace(parse_batches(log)), baseline_decode_trace=base_trace,
                        digests=e2e.digests(outputs), baseline_digests=e2e.digests(baseline),

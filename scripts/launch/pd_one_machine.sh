@@ -39,17 +39,20 @@ stop_all() { trap - EXIT INT TERM; kill "${pids[@]}" 2>/dev/null || true; wait 2
 trap stop_all EXIT INT TERM
 env "${prefill_env[@]}" bash "$HERE/pd_prefill.sh" & pids+=($!)
 env "${decode_env[@]}" bash "$HERE/pd_decode.sh" & pids+=($!)
-wait_healthy() {  # wait_healthy PORT NAME: until GET /health answers 200, or a child exits
-  echo "[pd_one_machine] waiting for the $2 instance on 127.0.0.1:$1"
+wait_healthy() {  # wait_healthy PORT NAME [PATH]: until GET PATH (/health) answers 200, or a child exits
+  echo "[pd_one_machine] waiting for the $2 on 127.0.0.1:$1"
   until "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" \
-      "http://127.0.0.1:$1/health" 2>/dev/null; do
+      "http://127.0.0.1:$1${3:-/health}" 2>/dev/null; do
     for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || { echo "[pd_one_machine] an instance exited" >&2; exit 1; }; done
     sleep 2
   done
 }
-wait_healthy "$PREFILL_PORT" prefill
-wait_healthy "$DECODE_PORT" decode
+wait_healthy "$PREFILL_PORT" "prefill instance"
+wait_healthy "$DECODE_PORT" "decode instance"
 env "${router_env[@]}" bash "$HERE/router.sh" & pids+=($!)
+# the router registers its workers in the background: /health answers at once, /readiness (sglang-router)
+# only once both are registered; until then a request gets 503
+[ "${ROUTER:-sglang}" = sglang ] && wait_healthy "$ROUTER_PORT" "router's workers" /readiness
 echo "[pd_one_machine] prefill :$PREFILL_PORT, decode :$DECODE_PORT (HiSparse), router :$ROUTER_PORT (send requests here)"
 wait -n "${pids[@]}"
 echo "[pd_one_machine] a process exited; stopping the others" >&2
