@@ -7,9 +7,6 @@
   back at its initial count.
 * Requests aborted mid-decode: afterwards every pool reports exactly its initial free count.
 * Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical.
-* Retraction (``SGLANG_TEST_RETRACT=1``: a decode request retracted every third step, prefilled
-  again on resume) on the default configuration and on hot buffers: outputs identical to the
-  server without HiSparse retracting the same way, every pool back at its initial count.
 * The reuse replacement policy (``replacement: "reuse"``): outputs identical (full tier).
 * A deliberately wrong resolver (test-only fault switch) changes the outputs: the comparison
   can fail.
@@ -24,7 +21,6 @@ first of their tests needs them.
 from __future__ import annotations
 
 import random
-import re
 import time
 
 import pytest
@@ -150,46 +146,6 @@ def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(pressur
     assert report["admitted_resident"] == len(CONTEXTS) + 1 and report["demotions"] >= 1, report  # + warmup
     assert report["resident"] == 0 and not report["leak"], report
     assert report["misses"] > 0, "demoted requests miss and copy from host"
-
-
-RETRACT = {"SGLANG_TEST_RETRACT": "1"}
-
-
-@pytest.fixture(scope="module")
-def retracting(logs):
-    """The server without HiSparse, ours with the default config and ours with hot buffers, each
-    retracting a decode request every third step (SGLang's test retraction)."""
-    names = ("baseline_retract", "default_retract", "hisparse_retract")
-    started = start_all(*(dict(spec(name, config, env=RETRACT), log_dir=logs)
-                          for name, config in zip(names, (None, DEFAULT, HISPARSE))))
-    servers = dict(zip(("base", "default", "ours"), started))
-    baseline = [o["output_ids"] for o in servers["base"].generate(prompts(), NEW_TOKENS)]
-    assert retractions(servers["base"]) > 0, "the baseline did not retract"
-    yield servers, baseline
-    stop_soon(started)
-
-
-def retractions(server) -> int:
-    return sum(int(n) for n in re.findall(r"Testing retraction\. #retracted_reqs: (\d+)", server.log()))
-
-
-@pytest.mark.parametrize("config", ["default", "ours"])
-def test_colocated_retraction_resumes_exactly_and_frees_everything(retracting, config):
-    """A retracted request gives back its rows (device rows of a resident one, its hot buffer and
-    host rows otherwise) and is prefilled again on resume: outputs identical to the server without
-    HiSparse under the same retraction (a retraction alone changes SGLang's outputs: the resumed
-    request's KV comes from a prefill, not from the decode steps), pools back at their initial
-    counts."""
-    servers, baseline = retracting
-    server = servers[config]
-    outputs, report = generate_and_report(server)
-    assert retractions(server) > 0, "no request was retracted: the test exercised nothing"
-    assert_identical(outputs, baseline)
-    assert not report["leak"] and report["resident"] == 0, report
-    for name, (now, initial) in report["counts"].items():
-        assert now == initial, (name, now, initial)
-    if config == "default":  # every admission, the resumes too, is resident
-        assert report["admitted_resident"] > len(CONTEXTS), report
 
 
 def test_a_broken_resolver_is_detected(pressure_and_fault, baseline_outputs):

@@ -65,11 +65,13 @@ def test_the_upstream_trap_fires_and_our_classes_do_not_trip_it(run_fresh_python
 
 
 def test_the_batch_invariant_plugin_makes_every_row_independent_of_its_batch(monkeypatch):
-    """With oneDNN (the default) some of the tiny CPU model's bf16 projections give a row other
-    bits at other batch sizes; with the plugin asked, none does, at any row of any batch up to 40."""
+    """With oneDNN (the default) some bf16 projections give a row other bits at other batch
+    sizes; with the plugin asked, none does, at any row of any batch up to 40."""
     import torch
 
-    shapes = [(256, 1024), (256, 2048), (256, 128), (256, 160), (128, 384), (64, 512), (512, 256)]
+    # which shapes oneDNN splits differently by batch depends on the CPU: long reductions (k >= 2048)
+    # were variant on every machine tried, the tiny model's own shapes only on some
+    shapes = [(256, 1024), (256, 2048), (256, 160), (128, 384), (512, 256), (2048, 256), (7168, 128)]
 
     def variant_shapes() -> list:
         gen = torch.Generator().manual_seed(0)
