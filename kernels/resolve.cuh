@@ -191,7 +191,7 @@ struct PlanSpill {
 // The reuse-table policy (kReuse): a slot's history word packs age | count << 8 (age: resolves
 // since it was last selected, minus one, saturating at 255; count: selections since it was
 // filled, saturating at 127). Levels come from a 54-entry table indexed age bucket * 6 + count
-// bucket (sglang_hisparse/replacement/reuse.py); at most kReuseLevels distinct levels.
+// bucket (sglang_hisparse/resolver/reuse.py); at most kReuseLevels distinct levels.
 inline constexpr int kReuseLevels = 64;
 inline constexpr uint16_t kVictimMark = 0x8000;  // S5 marks a victim's staged history word
 
@@ -921,7 +921,7 @@ __device__ __forceinline__ void find_hits_in_map(
 
 // The eviction level of a slot from its history word (kReuse): age bucket = ceil(log2(age + 1))
 // capped at 8 (edges 1, 2, 4, ..., 128), count bucket = floor(log2(count)) for count >= 2, capped
-// at 5 (edges 1, 3, 7, 15, 31); the same buckets as sglang_hisparse/replacement/policies.py.
+// at 5 (edges 1, 3, 7, 15, 31); the same buckets as sglang_hisparse_analysis/policies.py.
 __device__ __forceinline__ int reuse_level(const uint8_t* levels, const uint16_t hist) {
   const int age = (hist & 0xff) + 1;  // resolves since the slot was last selected
   const int count = (hist >> 8) & 0x7f;

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_hisparse.allocator import HiSparseAllocator
+from sglang_hisparse.memory.allocator import HiSparseAllocator
 
 TARGET = "sglang.srt.mem_cache.allocator.hisparse.HiSparseTokenToKVPoolAllocator"
 CHECKED_AGAINST = "0.5.17"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 CHECKED_AGAINST = "0.5.17"

@@ -4,7 +4,7 @@ Upstream targets: ``sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAlloc
 and ``.alloc_decode`` (AROUND). Checked against: SGLang 0.5.17, where both launch Triton kernels
 that need a GPU driver. DSA models require page size 64, so even a server without HiSparse uses
 this allocator. On a CPU device the hooks compute the same token ids in torch
-(:func:`sglang_hisparse.paging.paged_token_ids`) over the allocator's own free list; on any
+(:func:`sglang_hisparse.memory.paging.paged_token_ids`) over the allocator's own free list; on any
 other device they call the original.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang_hisparse.paging import paged_token_ids
+from sglang_hisparse.memory.paging import paged_token_ids
 
 CLASS = "sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator"
 TARGETS = (f"{CLASS}.alloc_extend", f"{CLASS}.alloc_decode")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from sglang_hisparse.allocator import HiSparseAllocator
+from sglang_hisparse.memory.allocator import HiSparseAllocator
 from sglang_hisparse.errors import HiSparsePluginError
 
 TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"

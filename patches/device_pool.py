@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_hisparse.device_pool import HiSparseDevicePool
+from sglang_hisparse.memory.device_pool import HiSparseDevicePool
 
 TARGET = "sglang.srt.mem_cache.hisparse_memory_pool.HiSparseDSATokenToKVPool"
 CHECKED_AGAINST = "0.5.17"

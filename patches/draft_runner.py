@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from sglang_hisparse.device_pool import resident_pools
+from sglang_hisparse.memory.device_pool import resident_pools
 
 logger = logging.getLogger(__name__)
 

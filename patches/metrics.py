@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 from sglang_hisparse.metrics import Gauges, PrometheusExport
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.init_metrics_reporter"

@@ -20,7 +20,7 @@ import logging
 from http import HTTPStatus
 from typing import Any, Callable, Optional
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.disaggregation.decode.DecodePreallocQueue.add"
 CHECKED_AGAINST = "0.5.17"

@@ -6,13 +6,13 @@ Upstream targets (SGLang 0.5.17, ``sglang.srt.managers.schedule_batch``):
   (or ``SGLANG_TEST_RETRACT``) by asking the allocator for a CPU copy of its KV
   (``offload_kv_cache`` -> ``get_cpu_copy``), which the HiSparse pools cannot give: its KV lives in
   host rows. For a request our coordinator serves, the coordinator takes the copy itself
-  (``sglang_hisparse.pd.offload_request``: the last token written through, the KV and indexer keys of
+  (``sglang_hisparse.serving.pd.offload_request``: the last token written through, the KV and indexer keys of
   positions ``0..seqlen-2`` copied to ordinary memory, every row freed) and SGLang releases the rest
   without its copy.
 * ``Req.load_kv_cache`` (AROUND): on resume SGLang has given the request new logical ids and new
   host rows; the coordinator writes the copy back (the indexer keys into the new ids' pages) and
   admits the request (rows of its own or a fresh hot buffer)
-  (``sglang_hisparse.pd.restore_request``), which SGLang's resume path would otherwise never do.
+  (``sglang_hisparse.serving.pd.restore_request``), which SGLang's resume path would otherwise never do.
 Other requests and servers run SGLang's code unchanged.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
-from sglang_hisparse.pd import RequestSnapshot, offload_request, restore_request
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
+from sglang_hisparse.serving.pd import RequestSnapshot, offload_request, restore_request
 
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 LOAD_TARGET = "sglang.srt.managers.schedule_batch.Req.load_kv_cache"

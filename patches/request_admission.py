@@ -8,15 +8,15 @@ is answered with that error (HTTP 400) after a one-token prefill instead of bein
 SGLang bounds a prompt by the logical pool, which HiSparse makes ``ratio`` times the device
 pool. A request whose budget exceeds what the HiSparse allocator can ever report free (device
 rows, logical ids, host rows) would otherwise wait in the queue forever and block every request
-behind it. The rule is :func:`sglang_hisparse.admission.refusal`.
+behind it. The rule is :func:`sglang_hisparse.memory.admission.refusal`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sglang_hisparse.admission import refusal
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.memory.admission import refusal
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.init_req_max_new_tokens"
 CHECKED_AGAINST = "0.5.17"

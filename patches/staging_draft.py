@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 PREFILL_TARGET = (
     "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."

@@ -17,7 +17,7 @@ from typing import Any
 
 from sglang_hisparse.config import config_from_server_args
 from sglang_hisparse.resolver.dispatch import choose_resolver, platform_of
-from sglang_hisparse.server_checks import (
+from sglang_hisparse.serving.server_checks import (
     ServerSettings,
     check_kernel_buffer_size,
     check_server_settings,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
 METADATA_TARGET = f"{BACKEND}.get_indexer_metadata"

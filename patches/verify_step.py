@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.speculative.eagle_utils.eagle_prepare_for_decode"
 CHECKED_AGAINST = "0.5.17"

@@ -3,4 +3,4 @@
 # resolver statistics, pool counts and whether the outputs are identical. Extra args go to the demo.
 source "$(dirname "$0")/venv.sh"
 cd "$ROOT"
-exec "$VPY" -m sglang_hisparse.demo "$@"
+exec "$VPY" -m sglang_hisparse.tools.demo "$@"

@@ -115,7 +115,7 @@ class ResolveStats:
         self._busy = False
         self._export = None
         self.residency = None
-        """The coordinator's :class:`~sglang_hisparse.residency.Residency` when residency is on."""
+        """The coordinator's :class:`~sglang_hisparse.memory.residency.Residency` when residency is on."""
 
     def export_to(self, export, gauges: Callable[[], object], interval: int = 40) -> None:
         """Publish to ``export`` (a :class:`sglang_hisparse.metrics.PrometheusExport`) every

@@ -1,1 +1,2 @@
-"""Hot-buffer replacement policies and a numpy simulator to measure them on selection traces."""
+"""The replacement-policy study: policies, a numpy simulator and a replay of recorded selection
+traces (docs/policies.md). Analysis only; ``sglang_hisparse`` never imports it."""

@@ -1,4 +1,4 @@
-"""Replacement policies for :func:`sglang_hisparse.replacement.simulator.simulate`.
+"""Replacement policies for :func:`sglang_hisparse_analysis.simulator.simulate`.
 
 Every policy keeps an int64 key per slot; the simulator evicts the unselected
 slots with the smallest eviction keys (ties: lower slot first). Recency keys are
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from sglang_hisparse.resolver.reuse import AGE_EDGES, COUNT_EDGES, PRIORITY_LEVELS
+
 from .simulator import KEY_LIMIT, NEVER, CacheState, StepView
 
 
 #: Recency stamps are below this; composite keys put a priority above it.
 RECENCY_SPAN = 1 << 32
-#: Table probabilities are quantized to this many levels in composite keys.
-PRIORITY_LEVELS = 1 << 13
 
 
 def _stride(k: int) -> int:
@@ -222,10 +222,6 @@ class ScoreRank:
         self._recency.after_step(view, state, new_slot)
 
 
-#: Upper edges (inclusive) of the age buckets: steps since the resident was last selected.
-AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)
-#: Upper edges (inclusive) of the count buckets: selections since the resident was inserted.
-COUNT_EDGES = (1, 3, 7, 15, 31)
 #: Upper edges (exclusive) of the rank buckets, in multiples of k: rank in the current step's list.
 RANK_EDGES_IN_K = (1.5, 2.0, 3.0, 4.0)
 

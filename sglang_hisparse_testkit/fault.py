@@ -5,7 +5,7 @@ request: its first selection points at the row of the newest token. End-to-end t
 prove that their output comparison detects a broken resolver. Without the variable it registers
 nothing, so the serving path never contains the fault.
 
-Target: ``sglang_hisparse.coordinator.HiSparseCoordinator.swap_in_selected_pages`` (AFTER; our
+Target: ``sglang_hisparse.decode.coordinator.HiSparseCoordinator.swap_in_selected_pages`` (AFTER; our
 own class, hooked through SGLang's HookRegistry like any other target).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 ENV = "SGLANG_HISPARSE_TEST_FAULT"
 FAULTS = ("wrong_row",)
-TARGET = "sglang_hisparse.coordinator.HiSparseCoordinator.swap_in_selected_pages"
+TARGET = "sglang_hisparse.decode.coordinator.HiSparseCoordinator.swap_in_selected_pages"
 
 logger = logging.getLogger(__name__)
 

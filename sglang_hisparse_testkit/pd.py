@@ -3,7 +3,7 @@ and a router between them, with a real KV transfer (mooncake over TCP on 127.0.0
 
 SGLang 0.5.17 starts mooncake with its P2P handshake (no metadata server) when the transfer
 backend is ``mooncake_tcp`` (``MC_FORCE_TCP=1``); ``SGLANG_HOST_IP=127.0.0.1`` keeps it from
-probing a route to a public address. The router is :mod:`sglang_hisparse.pd_router` (standard
+probing a route to a public address. The router is :mod:`sglang_hisparse.serving.pd_router` (standard
 library; it gives each request its bootstrap fields and sends it to both instances at once).
 One prefill instance can serve several decode instances: the bootstrap fields of a request name
 the prefill instance, the router names the decode instance.
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_hisparse.pd_router import Router, serve
-from sglang_hisparse.testing.server import Server, free_port, post_json
+from sglang_hisparse.serving.pd_router import Router, serve
+from sglang_hisparse.serving.launcher import Server, free_port, post_json
 
 TRANSFER_BACKEND = "mooncake_tcp"
 PD_ENV = {"SGLANG_HOST_IP": "127.0.0.1", "MC_TCP_ENABLE_CONNECTION_POOL": "true"}

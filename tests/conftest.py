@@ -8,7 +8,7 @@
   ``prefetched``: the results of a test's ``fresh.runs_first`` runs, which start with the
   module's other tests' runs, two at a time.
 * ``pool`` and ``bufs``: the host pool and the two flat device KV buffers of random resolve
-  cases (``sglang_hisparse/resolver/cases.py``), on CPU, one of each per test module.
+  cases (``sglang_hisparse_testkit/resolver_cases.py``), on CPU, one of each per test module.
 
 Pinned memory is never requested on CPU: our host pool takes ``pin_memory`` as an argument.
 
@@ -26,7 +26,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from sglang_hisparse.resolver.cases import HostPool
+from sglang_hisparse_testkit.resolver_cases import HostPool
 from fresh import FreshPython, start_runs
 from serving import wait_for_stops
 import tier

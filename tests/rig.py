@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-from sglang_hisparse.allocator import HiSparseAllocator
+from sglang_hisparse.memory.allocator import HiSparseAllocator
 from sglang_hisparse.config import HiSparseConfig
-from sglang_hisparse.coordinator import HiSparseCoordinator
-from sglang_hisparse.device_pool import HiSparseDevicePool
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
+from sglang_hisparse.memory.device_pool import HiSparseDevicePool
 
 PAGE = 64
 KV_LORA = 8

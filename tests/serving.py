@@ -23,7 +23,7 @@ import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from sglang_hisparse.testing.server import Server, start_server
+from sglang_hisparse.serving.launcher import Server, start_server
 
 QUIET = ["--sleep-on-idle"]
 

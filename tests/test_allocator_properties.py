@@ -12,8 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from rig import DIM, KV_LORA, PAGE, ROPE
 from tier import examples
-from sglang_hisparse.allocator import HiSparseAllocator
-from sglang_hisparse.device_pool import HiSparseDevicePool
+from sglang_hisparse.memory.allocator import HiSparseAllocator
+from sglang_hisparse.memory.device_pool import HiSparseDevicePool
 
 DEVICE_ROWS = PAGE * 16
 HOT = 3 * PAGE  # hot buffer rows per decoding request (B = 128 + newest page)

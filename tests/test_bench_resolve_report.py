@@ -1,4 +1,4 @@
-"""scripts/bench_resolve.py's report on CPU (the benchmark itself needs the GPU): the reuse-policy
+"""scripts/research/bench_resolve.py's report on CPU (the benchmark itself needs the GPU): the reuse-policy
 section pairs ours_reuse with ours on the same cell, the target lines read the LRU rows."""
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from rig import PAGE, Rig, Request
 from tier import examples
 
-from sglang_hisparse.admission import Capacity, refusal
-from sglang_hisparse.copy_lane import CopyLane
-from sglang_hisparse.coordinator import HiSparseCoordinator
+from sglang_hisparse.memory.admission import Capacity, refusal
+from sglang_hisparse.memory.copy_lane import CopyLane
+from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.host_pool import BLOCKED_MIXIN_MEMBERS, HiSparseHostPool
-from sglang_hisparse.paging import PageAllocator
+from sglang_hisparse.memory.host_pool import BLOCKED_MIXIN_MEMBERS, HiSparseHostPool
+from sglang_hisparse.memory.paging import PageAllocator
 
 
 def test_a_hot_buffer_that_cannot_fit_the_device_pool_is_refused_at_start(gloo_world):

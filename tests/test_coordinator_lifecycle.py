@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rig import PAGE, Rig, Request
 from tier import examples
 
-from sglang_hisparse.copy_lane import Fence
+from sglang_hisparse.memory.copy_lane import Fence
 
 
 def select(rng: random.Random, req: Request, top_k: int, overlap: float) -> list[int]:
@@ -68,7 +68,7 @@ def test_long_request_with_the_slot_map(gloo_world, caplog):
     as without the map (the same selections), and after every layer call the map names the slot
     of every held position (Rig.check_slot_map; the writers here: open with filled slots, and the
     resolver)."""
-    with caplog.at_level(logging.INFO, logger="sglang_hisparse.coordinator"):
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.decode.coordinator"):
         rig = Rig(gloo_world, slot_map=True)
     slot_map = rig.coord.hot.slot_map
     layers, reqs, cols = slot_map.shape
@@ -96,7 +96,7 @@ def assert_tables_reset(rig: Rig) -> None:
 def test_long_request_with_the_reuse_policy(gloo_world, caplog):
     """replacement "reuse": the packaged table is logged, every layer's history moves while the
     request decodes (and stays exact), and is zero again once it is gone."""
-    with caplog.at_level(logging.INFO, logger="sglang_hisparse.coordinator"):
+    with caplog.at_level(logging.INFO, logger="sglang_hisparse.decode.coordinator"):
         rig = Rig(gloo_world, replacement="reuse")
     assert "replacement policy reuse (history table: attention k=256 B=512)" in caplog.text
     assert rig.coord.hot.history is not None and Rig(gloo_world).coord.hot.history is None

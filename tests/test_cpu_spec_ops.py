@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from sglang_hisparse.testing.server import CPU_STAND_IN
+from sglang_hisparse.serving.launcher import CPU_STAND_IN
 
 
 def _ops():

@@ -1,4 +1,4 @@
-"""The demo (``bash scripts/demo.sh``, ``python -m sglang_hisparse.demo``): the flags both of its
+"""The demo (``bash scripts/demo.sh``, ``python -m sglang_hisparse.tools.demo``): the flags both of its
 servers share, and (full tier) the demo itself at a small size on CPU, ending with ``outputs
 identical``. The comparison it shows is the default tier's tests/test_e2e_cpu.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hisparse import demo
+from sglang_hisparse.tools import demo
 
 
 def test_both_servers_run_every_prompt_in_one_prefill_batch():

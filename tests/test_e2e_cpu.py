@@ -26,7 +26,7 @@ import time
 import pytest
 
 from serving import settle, start, start_all, stop_soon
-from sglang_hisparse.testing.server import abort_two_mid_decode, wait_for_idle_report
+from sglang_hisparse.serving.launcher import abort_two_mid_decode, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from serving import settle, start_all, stop_soon
-from sglang_hisparse.testing.server import wait_for_idle_report
+from sglang_hisparse.serving.launcher import wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

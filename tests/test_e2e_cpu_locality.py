@@ -11,8 +11,8 @@ import random
 import pytest
 
 from serving import settle, start_all, stop_soon
-from sglang_hisparse.testing.dummy_init import LOCALITY_PRESETS, locality_strength
-from sglang_hisparse.testing.server import wait_for_idle_report
+from sglang_hisparse_testkit.dummy_init import LOCALITY_PRESETS, locality_strength
+from sglang_hisparse.serving.launcher import wait_for_idle_report
 
 COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
           "--max-running-requests", "8"]

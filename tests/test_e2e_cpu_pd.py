@@ -25,7 +25,7 @@ import re
 import pytest
 
 from serving import settle, start_all, stop_soon
-from sglang_hisparse.testing.server import post_json, wait_for_idle_report
+from sglang_hisparse.serving.launcher import post_json, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

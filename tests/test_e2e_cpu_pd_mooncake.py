@@ -32,8 +32,8 @@ from types import SimpleNamespace
 import pytest
 
 from serving import settle, start_all, stop_soon
-from sglang_hisparse.testing.pd import PD_ENV, RoutedPair, decode_args, prefill_args, unpaired_request
-from sglang_hisparse.testing.server import abort_two_mid_decode, free_port, post_json, wait_for_idle_report
+from sglang_hisparse_testkit.pd import PD_ENV, RoutedPair, decode_args, prefill_args, unpaired_request
+from sglang_hisparse.serving.launcher import abort_two_mid_decode, free_port, post_json, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

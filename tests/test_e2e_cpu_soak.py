@@ -30,7 +30,7 @@ import uuid
 import pytest
 
 from serving import settle, start_all, start_in_background, stop_soon
-from sglang_hisparse.testing.server import scrape_metrics, wait_for_idle_report
+from sglang_hisparse.serving.launcher import scrape_metrics, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

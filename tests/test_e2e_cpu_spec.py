@@ -24,7 +24,7 @@ import random
 import pytest
 
 from serving import settle, start_all, start_in_background, stop_soon
-from sglang_hisparse.testing.server import abort_two_mid_decode, wait_for_idle_report
+from sglang_hisparse.serving.launcher import abort_two_mid_decode, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
 

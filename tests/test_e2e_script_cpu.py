@@ -120,7 +120,7 @@ def test_throughput_rows_on_cpu(cpu_e2e):
 def test_launch_scripts_job_on_cpu(tmp_path, monkeypatch):
     """The GPU job that runs scripts/launch/colocated.sh and pd_decode.sh (fake transfer, test
     retractions) at tiny scale, here with the CPU engine."""
-    from sglang_hisparse.testing.server import server_env
+    from sglang_hisparse.serving.launcher import server_env
 
     for key, value in server_env(cpu=True).items():
         monkeypatch.setenv(key, value)

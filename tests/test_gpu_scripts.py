@@ -266,7 +266,7 @@ def test_exactness_models_match_the_workload_constants():
     upstream's config assume (a ds32-width IndexShare run needs no other change)."""
     import e2e
 
-    from sglang_hisparse.testing.server import MODELS_DIR
+    from sglang_hisparse.serving.launcher import MODELS_DIR
 
     for model in e2e.EXACTNESS_MODELS:
         config = json.loads((MODELS_DIR / model / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""scripts/traces/history_table_cap.py on tiny synthetic traces: every variant is fitted and
+"""scripts/research/traces/history_table_cap.py on tiny synthetic traces: every variant is fitted and
 evaluated on both splits, the coordinate search never ends above its start, and the reported
 miss rates are the simulator's."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 from test_policy_replay_script import _doc
 
-from sglang_hisparse.replacement.policies import ReuseTable
-from sglang_hisparse.replacement.simulator import simulate
+from sglang_hisparse_analysis.policies import ReuseTable
+from sglang_hisparse_analysis.simulator import simulate
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "history_table_cap.py"
 

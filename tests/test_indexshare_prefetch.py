@@ -12,7 +12,7 @@ import torch
 from rig import PAGE, Rig, Request
 from test_coordinator_lifecycle import select
 
-from sglang_hisparse.prefetch import topk_sources
+from sglang_hisparse.decode.prefetch import topk_sources
 
 
 def test_sources_follow_sglang_skip_rule():

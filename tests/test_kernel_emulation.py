@@ -68,7 +68,7 @@ def test_emulated_kernel_keeps_the_slot_map_across_steps(emu):
     import run_emulation
     from sglang_hisparse.resolver import cuda as rcuda
     from sglang_hisparse.resolver.batched import resolve_batched
-    from sglang_hisparse.resolver.cases import CaseSpec, HostPool, differences, make_case
+    from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, differences, make_case
 
     dev = torch.device("cpu")
     pool = HostPool(8 << 20, dev, pin=False, seed=1)

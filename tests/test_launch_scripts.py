@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from serving import QUIET, settle, stop_soon
-from sglang_hisparse.testing.server import MODELS_DIR, free_port, post_json, run_server, server_env, wait_for_idle_report
+from sglang_hisparse.serving.launcher import MODELS_DIR, free_port, post_json, run_server, server_env, wait_for_idle_report
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "launch"
 TINY = {"MODEL": str(MODELS_DIR / "tiny-dsa-cpu"), "DEVICE": "cpu", "TP": "1", "DP": "1", "DP_ATTENTION": "0",
@@ -53,7 +53,7 @@ def test_defaults_are_an_8xh200_deployment_with_hisparse_on_the_decode_side():
     assert router[1:4] == ["-m", "sglang_router.launch_router", "--pd-disaggregation"]  # SGLang's own router
     assert router[router.index("--prefill") + 1:router.index("--prefill") + 3] == ["http://127.0.0.1:30000", "8998"]
     assert flag(router, "--decode") == "http://127.0.0.1:30001"
-    assert dry_run("router.sh", ROUTER="hisparse")[1:3] == ["-m", "sglang_hisparse.pd_router"]
+    assert dry_run("router.sh", ROUTER="hisparse")[1:3] == ["-m", "sglang_hisparse.serving.pd_router"]
     assert "--mini-lb" in dry_run("router.sh", ROUTER="mini")
 
 

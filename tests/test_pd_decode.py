@@ -11,7 +11,7 @@ import torch
 from rig import PAGE, Rig, Request
 from test_coordinator_lifecycle import select
 
-from sglang_hisparse.pd import offload_request, restore_request
+from sglang_hisparse.serving.pd import offload_request, restore_request
 
 
 def test_pd_budgets_are_net_of_host_rows_and_held_device_rows(gloo_world):

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from sglang_hisparse.admission import Capacity, capacity_line
-from sglang_hisparse.plan import GIB, ModelDims, PlanError, main, make_plan
-from sglang_hisparse.testing.server import MODELS_DIR
+from sglang_hisparse.memory.admission import Capacity, capacity_line
+from sglang_hisparse.tools.plan import GIB, ModelDims, PlanError, main, make_plan
+from sglang_hisparse.serving.launcher import MODELS_DIR
 
 DEEPSEEK_V32 = {  # DeepSeek-V3.2's published dimensions (FP8 weights)
     "architectures": ["DeepseekV32ForCausalLM"], "hidden_size": 7168, "num_hidden_layers": 61,

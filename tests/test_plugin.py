@@ -48,7 +48,7 @@ def test_entry_point_is_discovered(run_fresh_python):
         """
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "sglang_hisparse.plugin:register"
+    assert result.stdout.strip() == "sglang_hisparse.serving.plugin:register"
 
 
 @runs_first(snippet(
@@ -121,7 +121,7 @@ def test_replaced_functions_run_our_code(prefetched):
     from types import ModuleType
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     import sglang.srt.managers.hisparse_coordinator as upstream
-    from sglang_hisparse import plugin
+    from sglang_hisparse.serving import plugin
 
     class OurCoordinator(FakeCoordinator): pass
     class OurAllocator:
@@ -163,7 +163,7 @@ def test_class_seams_replace_upstream_classes_everywhere(prefetched):
     with_fake_scheduler(
         """
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_hisparse import plugin
+    from sglang_hisparse.serving import plugin
     from sglang_hisparse.errors import HiSparsePluginError
     plugin.register(HookRegistry, seams=[])
     HookRegistry.apply_hooks()
@@ -193,7 +193,7 @@ def test_self_check_refuses_upstream_objects(prefetched):
     """
     from types import SimpleNamespace
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_hisparse import plugin
+    from sglang_hisparse.serving import plugin
     from sglang_hisparse.errors import HiSparsePluginError
     from sglang_hisparse.patches import self_check
     hooks = plugin.register(HookRegistry)
@@ -226,7 +226,7 @@ def test_self_check_refuses_a_function_hook_that_was_not_applied(prefetched):
     with_fake_scheduler(
         """
     from sglang.srt.plugins.hook_registry import HookRegistry
-    from sglang_hisparse import plugin
+    from sglang_hisparse.serving import plugin
     from sglang_hisparse.errors import HiSparsePluginError
     plugin.register(HookRegistry, sglang_version="0.5.23")
     print(sorted(HookRegistry._hooks))
@@ -331,7 +331,7 @@ CANNOT_SERVE = [
 
 def _launch_tiny_dsa(extra: list[str]):
     """A run of the launcher with --enable-hisparse and the tiny DSA model on SGLang's CPU engine."""
-    from sglang_hisparse.testing.server import MODELS_DIR, server_env
+    from sglang_hisparse.serving.launcher import MODELS_DIR, server_env
 
     common = ["--model-path", str(MODELS_DIR / "tiny-dsa-cpu"), "--skip-tokenizer-init", "--disable-radix-cache",
               "--device", "cpu", "--load-format", "dummy", "--enable-hisparse"]

@@ -1,5 +1,5 @@
-"""scripts/bench_policy_replay.py on the CPU: a tiny synthetic trace file in the packed format
-(scripts/traces/pack_gpu.py) goes through resolve_batched with both policies, and the resolver's
+"""scripts/research/bench_policy_replay.py on the CPU: a tiny synthetic trace file in the packed format
+(scripts/research/traces/pack_gpu.py) goes through resolve_batched with both policies, and the resolver's
 miss counts equal the simulator's."""
 
 from __future__ import annotations

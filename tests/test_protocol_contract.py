@@ -70,7 +70,7 @@ def test_sglang_names_resolve_to_our_classes_after_load_plugins(run_fresh_python
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [
-        "sglang_hisparse.coordinator sglang_hisparse.allocator sglang_hisparse.device_pool",
+        "sglang_hisparse.decode.coordinator sglang_hisparse.memory.allocator sglang_hisparse.memory.device_pool",
         "True True True",
         "ScheduleBatch.check_decode_mem",
     ]

@@ -18,7 +18,7 @@ from tier import examples
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_hisparse.replacement.policies import (  # noqa: E402
+from sglang_hisparse_analysis.policies import (  # noqa: E402
     Belady,
     Fifo,
     LookaheadOracle,
@@ -29,7 +29,7 @@ from sglang_hisparse.replacement.policies import (  # noqa: E402
     ScoreRank,
     fit_reuse_table,
 )
-from sglang_hisparse.replacement.simulator import (  # noqa: E402
+from sglang_hisparse_analysis.simulator import (  # noqa: E402
     KEY_LIMIT,
     CacheState,
     keep_only_topk_misses,

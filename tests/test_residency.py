@@ -16,7 +16,7 @@ from rig import PAGE, Rig, Request, true_row
 from tier import examples
 from test_coordinator_lifecycle import run_random_lifecycle, select
 
-from sglang_hisparse.residency import ResidencyPolicy
+from sglang_hisparse.memory.residency import ResidencyPolicy
 
 
 def decode(rig: Rig, reqs: list, rng: random.Random, steps: int, overlap: float = 0.6) -> None:
@@ -76,7 +76,7 @@ def test_resident_write_through_is_deferred_then_complete_before_a_demotion(gloo
     """A resident request's decoded tokens are not copied at each step: every
     ``DEFERRED_FLUSH_STEPS`` decode steps all of them are, in one copy, and a demotion copies the
     rest first. The host rows then hold the true KV of every position."""
-    from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS
+    from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS
 
     rig = Rig(gloo_world, residency=True)
     rng = random.Random(8)
@@ -300,7 +300,7 @@ def test_resident_steps_leave_the_state_the_full_path_leaves(gloo_world):
     under pressure; every selection is checked against the true KV."""
     from unittest import mock
 
-    from sglang_hisparse.pressure import ResidentDecode
+    from sglang_hisparse.decode.pressure import ResidentDecode
 
     def state(rig):
         return (rig.allocator.logical_to_device.clone(), rig.coord.residency.length.clone(),

@@ -20,7 +20,7 @@ import torch
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.resolver import cuda, dispatch, jit
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched
-from sglang_hisparse.resolver.cases import (
+from sglang_hisparse_testkit.resolver_cases import (
     CaseSpec,
     differences,
     make_case,

@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tier import examples
-from sglang_hisparse.replacement.policies import AGE_EDGES, COUNT_EDGES, PRIORITY_LEVELS, ReuseTable
-from sglang_hisparse.replacement.reuse import (
+from sglang_hisparse_analysis.policies import AGE_EDGES, COUNT_EDGES, PRIORITY_LEVELS, ReuseTable
+from sglang_hisparse.resolver.reuse import (
     CELLS,
     age_bucket,
     count_bucket,
@@ -32,10 +32,10 @@ from sglang_hisparse.replacement.reuse import (
     slot_levels,
     unpack,
 )
-from sglang_hisparse.replacement.replay import ReplayState, bind_python, replay_selections
-from sglang_hisparse.replacement.simulator import simulate
+from sglang_hisparse_analysis.replay import ReplayState, bind_python, replay_selections
+from sglang_hisparse_analysis.simulator import simulate
 from sglang_hisparse.resolver.batched import resolve_batched
-from sglang_hisparse.resolver.cases import differences, make_case, random_history, random_spec
+from sglang_hisparse_testkit.resolver_cases import differences, make_case, random_history, random_spec
 from sglang_hisparse.resolver.reference import resolve_reference
 
 CPU = torch.device("cpu")

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from sglang_hisparse.config import HiSparseConfigError
-from sglang_hisparse.server_checks import ServerSettings, check_server_settings
+from sglang_hisparse.serving.server_checks import ServerSettings, check_server_settings
 
 GOOD = ServerSettings(
     architecture="DeepseekV32ForCausalLM",
@@ -114,7 +114,7 @@ def test_the_kernel_buffer_limit_follows_its_shared_memory_layout():
 
 def test_a_hot_buffer_beyond_the_kernel_limit_is_refused_with_the_allowed_range():
     from sglang_hisparse.config import HiSparseConfig
-    from sglang_hisparse.server_checks import check_kernel_buffer_size
+    from sglang_hisparse.serving.server_checks import check_kernel_buffer_size
 
     check_kernel_buffer_size(HiSparseConfig(top_k=2048, device_buffer_size=19135))
     with pytest.raises(HiSparseConfigError) as info:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from sglang_hisparse.testing.server import MODELS_DIR
+from sglang_hisparse.serving.launcher import MODELS_DIR
 
 
 @pytest.mark.parametrize("base", ["tiny-dsa", "tiny-dsa-cpu", "ds32-width"])

@@ -15,7 +15,7 @@ import torch
 
 from rig import DIM, KV_LORA, PAGE, ROPE, Request, Rig
 
-from sglang_hisparse.device_pool import HiSparseDevicePool, resident_pools
+from sglang_hisparse.memory.device_pool import HiSparseDevicePool, resident_pools
 
 
 def verify_rows(rng: random.Random, req: Request, N: int, top_k: int) -> list:

@@ -1,5 +1,5 @@
 """A decode step's host work (our part of it) must not grow with the context length or the layer
-count, and only a little with the batch: scripts/bench_step_host.py timed here with generous
+count, and only a little with the batch: scripts/research/bench_step_host.py timed here with generous
 bounds (a regression that makes it proportional to context or layers is tens of times over them;
 the numbers themselves are in docs/performance.md)."""
 
@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_step_host  # noqa: E402
-from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
+from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
 
 
 @pytest.mark.parametrize("residency", [True, False])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_hisparse.testing import batch_invariant, fault
+from sglang_hisparse_testkit import batch_invariant, fault
 
 
 class _Registry:
@@ -44,7 +44,7 @@ def test_the_upstream_trap_fires_and_our_classes_do_not_trip_it(run_fresh_python
         load_plugins()
         import sglang.srt.managers.hisparse_coordinator as c
         import sglang.srt.mem_cache.pool_host.hisparse as mixin
-        from sglang_hisparse.coordinator import HiSparseCoordinator
+        from sglang_hisparse.decode.coordinator import HiSparseCoordinator
         print(c.HiSparseCoordinator is HiSparseCoordinator)
         try:
             mixin.HiSparseHostPoolMixin.alloc_page(object(), 1)

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tier import examples
-from sglang_hisparse.replacement.reuse import history_table, reuse_levels
+from sglang_hisparse.resolver.reuse import history_table, reuse_levels
 from sglang_hisparse.resolver.batched import resolve_batched
-from sglang_hisparse.resolver.cases import random_history, verify_rows, verify_slot_positions
+from sglang_hisparse_testkit.resolver_cases import random_history, verify_rows, verify_slot_positions
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference
 from sglang_hisparse.resolver.verify import VerifyStep, _union_rows, resolve_verify
 

@@ -30,10 +30,10 @@ def test_wheel_ships_kernels_and_patches(tmp_path):
     for module in sorted((ROOT / "sglang_hisparse").rglob("*.py")):
         rel = module.relative_to(ROOT).as_posix()
         assert rel in names, rel
-    assert "sglang_hisparse/replacement/reuse_history_table.json" in names  # replacement: "reuse"
+    assert "sglang_hisparse/resolver/reuse_history_table.json" in names  # replacement: "reuse"
     # Nothing lands at the top level of site-packages except our package and its metadata.
     assert {n.split("/")[0] for n in names} <= {"sglang_hisparse", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[sglang.srt.plugins]" in text
-    assert "hisparse = sglang_hisparse.plugin:register" in text
+    assert "hisparse = sglang_hisparse.serving.plugin:register" in text

@@ -2,7 +2,7 @@
 
 Runs on the GPU machine from the repository root after scripts/gpu/run.sh prepared
 /tmp/site (SGLang 0.5.17 + our wheel). Each subcommand starts real servers with the tiny DSA
-model (sglang_hisparse/testing/models/tiny-dsa), drives them with token-id requests, stops them
+model (sglang_hisparse/models/tiny-dsa), drives them with token-id requests, stops them
 by PID and writes a JSON fragment; scripts/gpu/collect.py merges fragments into
 docs/results/e2e_gpu.json.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from sglang_hisparse.testing.server import Server, start_server, wait_for_idle_report  # noqa: E402
+from sglang_hisparse.serving.launcher import Server, start_server, wait_for_idle_report  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
@@ -55,7 +55,7 @@ def parse_graph(mode: str) -> tuple[bool, int | None]:
 
 KV_DTYPES = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 """KV cache dtypes of the suite and the DSA prefill/decode backend each runs with (SGLang 0.5.17's
-HiSparse and ours accept fp8_e4m3 KV with FlashMLA KV only: sglang_hisparse/server_checks.py)."""
+HiSparse and ours accept fp8_e4m3 KV with FlashMLA KV only: sglang_hisparse/serving/server_checks.py)."""
 
 
 def flags(graph: bool, max_total_tokens: int, max_running: int, graph_bs: int | None = None,
@@ -146,7 +146,7 @@ def launch(impl: str, *, buffer: int, ratio: int, graph: bool, max_total_tokens:
            log_dir: Path, stats_interval: int = 0, graph_bs: int | None = None, tag: str = "",
            overlap: bool = True, wait_for_staging: bool = False, model: str = "tiny-dsa",
            more_flags: tuple[str, ...] = (), kv_dtype: str = "bfloat16", more_env: dict | None = None) -> Server:
-    """Start one server of ``model`` (a directory under sglang_hisparse/testing/models); its log is
+    """Start one server of ``model`` (a directory under sglang_hisparse/models); its log is
     ``<log_dir>/<server_name(...)>.log``."""
     env = {**ENV, **(more_env or {})}
     if impl == "upstream":
@@ -430,7 +430,7 @@ SCRIPTS = ROOT / "scripts" / "launch"
 def script_env(model: str, port: int, extra_args: str, **values: str) -> dict[str, str]:
     """The launch scripts' variables for the tiny model on this machine's GPU (one rank), plus the
     deterministic DSA configuration of the exactness runs."""
-    env = {**os.environ, **ENV, "PYTHON": sys.executable, "MODEL": str(ROOT / "sglang_hisparse/testing/models" / model),
+    env = {**os.environ, **ENV, "PYTHON": sys.executable, "MODEL": str(ROOT / "sglang_hisparse/models" / model),
            "TP": "1", "DP": "1", "DP_ATTENTION": "0", "HOST": "127.0.0.1", "PORT": str(port),
            "MEM_FRACTION_STATIC": "0.4", "EXTRA_ARGS": extra_args, **values}
     return env
@@ -447,7 +447,7 @@ def launch_scripts(args) -> dict:
     """scripts/launch/colocated.sh and pd_decode.sh (fake transfer backend, a retraction every third
     step via SGLANG_TEST_RETRACT) serving the tiny model: every request completes, the idle report
     shows every pool at its initial count, and the decode instance did retract."""
-    from sglang_hisparse.testing.server import free_port, post_json, run_server
+    from sglang_hisparse.serving.launcher import free_port, post_json, run_server
 
     extra = (f"--load-format dummy --skip-tokenizer-init --random-seed 0 --max-total-tokens {args.max_total_tokens} "
              f"{args.server_args}")

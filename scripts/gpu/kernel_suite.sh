@@ -113,8 +113,8 @@ grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|\[(memcheck|racecheck)\]" /tmp/hispars
 T=$(cap 200 25)
 if (( T > 60 )); then
   note "benchmark (limit ${T}s)"
-  export HISPARSE_BENCH_COMMAND="bash scripts/gpu/kernel_suite.sh (step: python3 scripts/bench_resolve.py --out \$OUT --budget-s $(( T - 70 )) --stage-clock)"
-  limited "$T" $PY scripts/bench_resolve.py --out "$OUT" --budget-s $(( T - 70 )) --stage-clock; STEP_STATUS[bench]=$?
+  export HISPARSE_BENCH_COMMAND="bash scripts/gpu/kernel_suite.sh (step: python3 scripts/research/bench_resolve.py --out \$OUT --budget-s $(( T - 70 )) --stage-clock)"
+  limited "$T" $PY scripts/research/bench_resolve.py --out "$OUT" --budget-s $(( T - 70 )) --stage-clock; STEP_STATUS[bench]=$?
 else
   note "benchmark skipped: no time left"; STEP_STATUS[bench]=skipped
 fi

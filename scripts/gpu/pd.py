@@ -2,7 +2,7 @@
 
 Runs on the GPU machine (scripts/gpu/run.sh job ``pd``, with .site/pd.tar.xz carried) or, for a
 test at tiny scale, on CPU. One prefill instance without HiSparse (mooncake over TCP on
-127.0.0.1, sglang_hisparse.testing.pd) serves several decode instances side by side on the same
+127.0.0.1, sglang_hisparse_testkit.pd) serves several decode instances side by side on the same
 device, each behind its own router; every server starts at once.
 
     python scripts/gpu/pd.py exactness --decodes ours:4096,ours:2048,ours:4096:retract,upstream:4096,none:4096 \\
@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
-from sglang_hisparse.testing.pd import PD_ENV, TRANSFER_BACKEND, RoutedPair, decode_args, prefill_args  # noqa: E402
-from sglang_hisparse.testing.server import Server, free_port, start_server, wait_for_idle_report  # noqa: E402
+from sglang_hisparse_testkit.pd import PD_ENV, TRANSFER_BACKEND, RoutedPair, decode_args, prefill_args  # noqa: E402
+from sglang_hisparse.serving.launcher import Server, free_port, start_server, wait_for_idle_report  # noqa: E402
 
 DECODE_IMPLS = ("none", "upstream", "ours", "ours_hot")
 ONE_PREFILL_PER_BATCH = ["--prefill-max-requests", "1"]
@@ -128,7 +128,7 @@ def model_name(args) -> str:
 
 def use_model_vocabulary(args) -> None:
     """Prompts draw token ids below the served model's vocabulary size (e2e.prompts)."""
-    config = json.loads((e2e.ROOT / "sglang_hisparse/testing/models" / model_name(args) / "config.json").read_text())
+    config = json.loads((e2e.ROOT / "sglang_hisparse/models" / model_name(args) / "config.json").read_text())
     e2e.VOCAB = config["vocab_size"]
 
 
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("exactness", "throughput"):
         p = sub.add_parser(name)
         p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-        p.add_argument("--model", default="tiny-dsa", help="a model under sglang_hisparse/testing/models (GPU)")
+        p.add_argument("--model", default="tiny-dsa", help="a model under sglang_hisparse/models (GPU)")
         p.add_argument("--ratio", type=int, default=4)
         p.add_argument("--max-total-tokens", type=int, default=262144, help="of each decode instance")
         p.add_argument("--baseline-max-total-tokens", type=int, default=524288,

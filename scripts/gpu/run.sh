@@ -17,11 +17,11 @@
 #   job = sweep   -> python scripts/gpu/sweep.py [args...]   (the performance sweep, docs/performance.md)
 #   job = pd      -> python scripts/gpu/pd.py [args...]   (a PD pair moving real KV: exactness, throughput;
 #                    carry .site/pd.tar.xz; docs/pd.md)
-#   job = bench   -> python scripts/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
-#   job = step-host -> python scripts/bench_step_host.py --device cuda --out $OUT/step_host_gpu.json [args...]
+#   job = bench   -> python scripts/research/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
+#   job = step-host -> python scripts/research/bench_step_host.py --device cuda --out $OUT/step_host_gpu.json [args...]
 #                    (our host work per decode step on the GPU machine, by part; no server)
-#   job = demo    -> python -m sglang_hisparse.demo [args...]   (the README's demo; ends "outputs identical")
-#   job = policy  -> python scripts/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
+#   job = demo    -> python -m sglang_hisparse.tools.demo [args...]   (the README's demo; ends "outputs identical")
+#   job = policy  -> python scripts/research/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
 #                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
 #   job = probe   -> nvcc scripts/gpu/slot_hash_probe.cu, run it [args...] > $OUT/slot_hash_probe.jsonl
 #                    (the planning-floor micro-benchmark, docs/kernel.md; standalone CUDA, no Python)
@@ -86,15 +86,15 @@ run_job() {
     verify) bash scripts/gpu/verify_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     pytest) python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee -a "$OUT/run.log" ;;
-    bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/bench_resolve.py --out "$OUT" "$@" 2>&1 \
+    bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/research/bench_resolve.py --out "$OUT" "$@" 2>&1 \
              | tee -a "$OUT/run.log" ;;
     sweep) python3 scripts/gpu/sweep.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     pd) python3 scripts/gpu/pd.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
-    step-host) python3 scripts/bench_step_host.py --device cuda --out "$OUT/step_host_gpu.json" "$@" 2>&1 \
+    step-host) python3 scripts/research/bench_step_host.py --device cuda --out "$OUT/step_host_gpu.json" "$@" 2>&1 \
                  | tee -a "$OUT/run.log" ;;
-    policy) python3 scripts/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
+    policy) python3 scripts/research/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
               | tee -a "$OUT/run.log" ;;
-    demo) python3 -m sglang_hisparse.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    demo) python3 -m sglang_hisparse.tools.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     probe) run_probe "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
-from sglang_hisparse.resolver.cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
+from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
 from sglang_hisparse.resolver.reference import MissPlan  # noqa: E402
 
 # (item, B, top_k, batch, num_real, block, copiers, plan, skip_io, hit_mode, resident)

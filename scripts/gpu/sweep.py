@@ -34,8 +34,8 @@ import e2e  # noqa: E402
 from decode_log import decode_stats, parse_batches  # noqa: E402
 from profile_summary import load_events, summarize as summarize_profile  # noqa: E402
 
-from sglang_hisparse.testing.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
-from sglang_hisparse.testing.server import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
+from sglang_hisparse_testkit.dummy_init import LOCALITY_ENV, LOCALITY_PRESETS, locality_strength  # noqa: E402
+from sglang_hisparse.serving.launcher import Server, scrape_metrics, wait_for_idle_report  # noqa: E402
 
 IMPLS = ("none", "upstream", *e2e.OURS)
 
@@ -53,7 +53,7 @@ def parse_points(text: str) -> list[tuple[str, str]]:
 
 
 def layer_count(model: str) -> int:
-    return json.loads((e2e.ROOT / "sglang_hisparse/testing/models" / model / "config.json").read_text())["num_hidden_layers"]
+    return json.loads((e2e.ROOT / "sglang_hisparse/models" / model / "config.json").read_text())["num_hidden_layers"]
 
 
 def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) -> dict:
@@ -280,7 +280,7 @@ def sweep(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/testing/models")
+    p.add_argument("--model", default="tiny-dsa", help="a directory under sglang_hisparse/models")
     p.add_argument("--points", default="none:realistic,upstream:realistic,ours:realistic,ours_noio:realistic",
                    help=f"impl:locality,... (impl: {', '.join(IMPLS)}; locality: a preset or a strength)")
     p.add_argument("--kv-dtype", default="bfloat16", choices=sorted(e2e.KV_DTYPES),

@@ -3,7 +3,7 @@
 # default in the script that uses it; see `bash <script> --help`.
 #   --dry-run   print the exact command instead of running it
 #   --plan      (colocated.sh, pd_decode.sh) print the capacity plan of these values and exit
-#               (python -m sglang_hisparse.plan; MODEL must then be a local model directory)
+#               (python -m sglang_hisparse.tools.plan; MODEL must then be a local model directory)
 set -euo pipefail
 DRY_RUN=0
 PLAN=0
@@ -57,7 +57,7 @@ plan_or_run() {
   if [ "$PLAN" = 1 ]; then
     local dp_attention=()
     [ "$DP_ATTENTION" = 1 ] && dp_attention=(--dp-attention)
-    exec "$PYTHON" -m sglang_hisparse.plan --model-config "$MODEL" --tp "$TP" --dp "$DP" "${dp_attention[@]}" \
+    exec "$PYTHON" -m sglang_hisparse.tools.plan --model-config "$MODEL" --tp "$TP" --dp "$DP" "${dp_attention[@]}" \
       --gpu-mem-gib "$GPU_MEM_GIB" --host-mem-gib "$HOST_MEM_GIB" --context "$PLAN_CONTEXT" \
       --device-buffer-size "$DEVICE_BUFFER_SIZE" --ratio "$HOST_TO_DEVICE_RATIO" --kv-cache-dtype "$KV_CACHE_DTYPE" \
       --mem-fraction-static "$MEM_FRACTION_STATIC"

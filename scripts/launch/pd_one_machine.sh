@@ -14,7 +14,7 @@
 # HISPARSE_EXTRA, KV_CACHE_DTYPE, CONTEXT_LENGTH, EXTRA_ARGS (flags for both instances).
 # Everything listens on 127.0.0.1. Ctrl-C (or any of the three exiting) stops all three.
 # The tiny model on a CPU-only machine:
-#   DEVICE=cpu MODEL=sglang_hisparse/testing/models/tiny-dsa-cpu DEVICE_BUFFER_SIZE=128 HOST_TO_DEVICE_RATIO=2 \
+#   DEVICE=cpu MODEL=sglang_hisparse/models/tiny-dsa-cpu DEVICE_BUFFER_SIZE=128 HOST_TO_DEVICE_RATIO=2 \
 #     EXTRA_ARGS="--load-format dummy --max-total-tokens 16384 --skip-tokenizer-init" bash scripts/launch/pd_one_machine.sh
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

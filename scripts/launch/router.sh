@@ -4,7 +4,7 @@
 # instance's output.
 #   bash scripts/launch/router.sh [--dry-run]
 # Variables: ROUTER (sglang: SGLang's own router, `pip install sglang-router==0.3.2`, the production
-# load balancer; mini: its Python MiniLB, same package; hisparse: sglang_hisparse.pd_router, standard
+# load balancer; mini: its Python MiniLB, same package; hisparse: sglang_hisparse.serving.pd_router, standard
 # library, for tests), PREFILL_URL (http://127.0.0.1:30000), BOOTSTRAP_PORT (8998, the prefill
 # instance's), PREFILL_BOOTSTRAP_HOST (hisparse only; the prefill URL's host), DECODE_URL
 # (http://127.0.0.1:30001), HOST (127.0.0.1: the router takes unauthenticated requests; set a public
@@ -27,7 +27,7 @@ case "$ROUTER" in
     # shellcheck disable=SC2206  # ROUTER_ARGS is a list of flags
     cmd+=($ROUTER_ARGS) ;;
   hisparse)
-    cmd=("$PYTHON" -m sglang_hisparse.pd_router --prefill "$PREFILL_URL" --bootstrap-port "$BOOTSTRAP_PORT"
+    cmd=("$PYTHON" -m sglang_hisparse.serving.pd_router --prefill "$PREFILL_URL" --bootstrap-port "$BOOTSTRAP_PORT"
          --decode "$DECODE_URL" --host "$HOST" --port "$PORT")
     [ -n "$PREFILL_BOOTSTRAP_HOST" ] && cmd+=(--bootstrap-host "$PREFILL_BOOTSTRAP_HOST") ;;
   *) echo "router.sh: ROUTER=$ROUTER is not one of sglang, mini, hisparse" >&2; exit 2 ;;

@@ -5,7 +5,7 @@ module is replaced by a no-op, so what is timed is argument checking and dispatc
 decode step pays per layer when CUDA graphs are off. (On the H200 the benchmark's ``host_us``
 column adds the FFI call and the launch: docs/results/kernel_bench.md.)
 
-    python scripts/bench_host_overhead.py            # prints us per call for batch 1, 16 and 64
+    python scripts/research/bench_host_overhead.py            # prints us per call for batch 1, 16 and 64
 """
 
 from __future__ import annotations

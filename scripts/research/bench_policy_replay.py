@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Miss rates of the replacement policies measured through the resolver on real selection traces.
 
-Replays the traces of ``--traces`` (an ``.npz`` from ``scripts/traces/pack_gpu.py``: per document
+Replays the traces of ``--traces`` (an ``.npz`` from ``scripts/research/traces/pack_gpu.py``: per document
 ``<doc>/ranked`` uint16 [layers, steps, k] and ``<doc>/query_pos`` int32 [steps]) through the
 resolver of ``--device`` (cuda: the fused kernel, ``bind_resolve_cuda`` after ``warmup_build``;
 cpu: ``resolve_batched``), once with LRU and once with the reuse-table policy (the packaged
@@ -10,7 +10,7 @@ call per decode step (skip-IO). The simulator (``simulate(LruHitsLast)`` and
 ``simulate(ReuseTable(table, use_rank=False))``) runs on the same traces on the CPU; any
 difference in the miss counts is reported (and makes the exit status 1).
 
-Usage: python3 scripts/bench_policy_replay.py --traces .traces_gpu/heldout3_k256.npz --device cuda \
+Usage: python3 scripts/research/bench_policy_replay.py --traces .traces_gpu/heldout3_k256.npz --device cuda \
            --B 256,512,1024 --out policy_replay.json
 """
 
@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from sglang_hisparse.replacement.policies import LruHitsLast, ReuseTable  # noqa: E402
-from sglang_hisparse.replacement.replay import (  # noqa: E402
+from sglang_hisparse_analysis.policies import LruHitsLast, ReuseTable  # noqa: E402
+from sglang_hisparse_analysis.replay import (  # noqa: E402
     bind_cuda, bind_python, per_layer, replay_selections)
-from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
-from sglang_hisparse.replacement.simulator import simulate  # noqa: E402
+from sglang_hisparse.resolver.reuse import history_table, reuse_levels  # noqa: E402
+from sglang_hisparse_analysis.simulator import simulate  # noqa: E402
 
 #: The kernel's KV row size and block size used for the build (skip-IO: no bytes move).
 ITEM_BYTES = 1152

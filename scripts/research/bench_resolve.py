@@ -40,8 +40,8 @@ import torch  # noqa: E402
 
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver.batched import resolve_batched  # noqa: E402
-from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
-from sglang_hisparse.resolver.cases import kv_view, random_history  # noqa: E402
+from sglang_hisparse.resolver.reuse import history_table, reuse_levels  # noqa: E402
+from sglang_hisparse_testkit.resolver_cases import kv_view, random_history  # noqa: E402
 from sglang_hisparse.resolver.report import machine_description, write_json  # noqa: E402
 
 TOP_K = 2048

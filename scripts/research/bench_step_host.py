@@ -17,7 +17,7 @@ a request of 128k tokens costs no prefill; on a GPU by prefill, staging and coll
 Host work must not grow with the context length or the layer count:
 ``tests/test_step_host_work.py`` runs :func:`step_host_us` with generous bounds.
 
-    python scripts/bench_step_host.py [--out docs/results/step_host.json] [--repeats 3]
+    python scripts/research/bench_step_host.py [--out docs/results/step_host.json] [--repeats 3]
     bash scripts/gpu/run.sh step-host --batches 1,64,128 --contexts 1024 --layers 8 --steps 192 --parts --profile 30
 """
 
@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from rig import PAGE, Request, Rig  # noqa: E402
-from sglang_hisparse.host_pool import HiSparseHostPool  # noqa: E402
+from sglang_hisparse.memory.host_pool import HiSparseHostPool  # noqa: E402
 
 BATCHES = (1, 8, 64, 256)
 CONTEXTS = (1024, 8192, 131072)

@@ -5,7 +5,7 @@
 #
 # Uses its own virtualenv outside the repository, keyed by the requirements' hash:
 #   ~/.cache/sglang-hisparse/traces-venv-<hash>   (override with HISPARSE_TRACES_VENV)
-# Extra arguments are passed to scripts/traces/generate.py (e.g. --docs 4 for a quick run).
+# Extra arguments are passed to scripts/research/traces/generate.py (e.g. --docs 4 for a quick run).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 req="$repo/scripts/traces/requirements.txt"
@@ -22,6 +22,6 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 cd "$repo"
 start=$(date +%s)
-"$venv/bin/python" scripts/traces/generate.py --out .traces "$@"
+"$venv/bin/python" scripts/research/traces/generate.py --out .traces "$@"
 echo "generation step: $(( $(date +%s) - start )) s"
-"$venv/bin/python" scripts/traces/report.py --command "bash scripts/policy_report.sh"
+"$venv/bin/python" scripts/research/traces/report.py --command "bash scripts/research/policy_report.sh"

@@ -10,11 +10,11 @@ protocol; names are SGLang's): methods ``set_decode_producer_stream``, ``destroy
 ``raw_indices_buffer``.
 
 The work is done by components with one owner each (docs/design.md, "Ownership"):
-:class:`~sglang_hisparse.host_mirror.HostMirror` (host rows, staging, write-through),
-:class:`~sglang_hisparse.hot_buffers.HotBuffers` (hot-buffer rows and per-layer slot tables),
+:class:`~sglang_hisparse.memory.host_mirror.HostMirror` (host rows, staging, write-through),
+:class:`~sglang_hisparse.memory.hot_buffers.HotBuffers` (hot-buffer rows and per-layer slot tables),
 :class:`~sglang_hisparse.stats.ResolveStats` (counters, step lines, idle reports),
-:class:`~sglang_hisparse.layers.LayerResolve` (each layer's bound resolver, IndexShare prefetch)
-and, with residency on, :class:`~sglang_hisparse.pressure.ResidentDecode`. With linear
+:class:`~sglang_hisparse.decode.layers.LayerResolve` (each layer's bound resolver, IndexShare prefetch)
+and, with residency on, :class:`~sglang_hisparse.decode.pressure.ResidentDecode`. With linear
 speculative decoding (``config.query_rows`` N > 1) decode steps are verify steps of N tokens per
 request: :meth:`HiSparseCoordinator.begin_verify_step` replaces ``map_last_loc_to_buffer`` and
 :meth:`HiSparseCoordinator.resolve_verify` replaces ``swap_in_selected_pages`` (both called by our
@@ -33,16 +33,16 @@ from typing import Any, List, Optional
 
 import torch
 
-from sglang_hisparse.admission import capacity_line, capacity_of, check_startup
+from sglang_hisparse.memory.admission import capacity_line, capacity_of, check_startup
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.host_mirror import HostMirror
-from sglang_hisparse.hot_buffers import HotBuffers
-from sglang_hisparse.layers import LayerResolve
-from sglang_hisparse.prefetch import model_topk_sources
-from sglang_hisparse.pressure import ResidentDecode
-from sglang_hisparse.replacement.reuse import history_table, reuse_levels
-from sglang_hisparse.residency import Residency
+from sglang_hisparse.memory.host_mirror import HostMirror
+from sglang_hisparse.memory.hot_buffers import HotBuffers
+from sglang_hisparse.decode.layers import LayerResolve
+from sglang_hisparse.decode.prefetch import model_topk_sources
+from sglang_hisparse.decode.pressure import ResidentDecode
+from sglang_hisparse.resolver.reuse import history_table, reuse_levels
+from sglang_hisparse.memory.residency import Residency
 from sglang_hisparse.resolver.dispatch import make_resolver
 from sglang_hisparse.resolver.jit import decode_module
 from sglang_hisparse.stats import HiSparseTokenStats, ResolveStats, pool_free_counts, timed, token_stats

@@ -3,7 +3,7 @@
 :class:`LayerResolve` is what ``swap_in_selected_pages`` delegates to. At start-up it binds every
 layer's resolver once (tables, KV buffers, counters, plan and residency tables checked once; a call
 checks only the batch) and, for an IndexShare model with prefetch on, wires the source layers'
-plans to their followers (:mod:`sglang_hisparse.prefetch`).
+plans to their followers (:mod:`sglang_hisparse.decode.prefetch`).
 
 With a verify window of N > 1 query rows (linear speculation) each layer also gets a resolver
 bound for the verify union's width ``N x top_k`` (no prefetch plan: in a verify step every layer
@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from sglang_hisparse.prefetch import IndexSharePrefetch
+from sglang_hisparse.decode.prefetch import IndexSharePrefetch
 from sglang_hisparse.resolver.dispatch import Resolver
 from sglang_hisparse.resolver.verify import VerifyStep
 

@@ -1,6 +1,6 @@
 """Decode steps with residency on: where each request's newest token goes, and pressure relief.
 
-:class:`ResidentDecode` drives :class:`~sglang_hisparse.residency.Residency` (the mechanism and the
+:class:`ResidentDecode` drives :class:`~sglang_hisparse.memory.residency.Residency` (the mechanism and the
 policy) from the coordinator's protocol calls. It owns one piece of state: the request slots of
 the last decode step in batch order (``_last_batch``), which says where a request's last
 selections are in the coordinator's resolver output when it is demoted.
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS
-from sglang_hisparse.residency import Residency, ResidencyPolicy
+from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS
+from sglang_hisparse.memory.residency import Residency, ResidencyPolicy
 
 logger = logging.getLogger(__name__)
 

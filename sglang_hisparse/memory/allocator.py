@@ -12,7 +12,7 @@
 
 Ownership: this allocator owns the logical free list and the mapping; the device rows (their
 free list and the ``hot_owned`` mask: ``free`` never releases a row a hot buffer owns) belong to
-its :class:`~sglang_hisparse.device_rows.DeviceRows`. Hot-buffer tables belong to the
+its :class:`~sglang_hisparse.memory.device_rows.DeviceRows`. Hot-buffer tables belong to the
 coordinator's hot buffers, host slots to the host pool.
 
 Admission (``available_size``) counts the logical space, the host pool (every logical id will
@@ -36,8 +36,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
 
-from sglang_hisparse.device_rows import DeviceRows
-from sglang_hisparse.paging import DecodeIds, PageAllocator
+from sglang_hisparse.memory.device_rows import DeviceRows
+from sglang_hisparse.memory.paging import DecodeIds, PageAllocator
 from sglang_hisparse.resolver.jit import decode_module
 from sglang_hisparse.stats import HostTime, timed
 

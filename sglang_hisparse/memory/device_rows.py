@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from sglang_hisparse.paging import PageAllocator
+from sglang_hisparse.memory.paging import PageAllocator
 
 
 class DeviceRows:

@@ -6,7 +6,7 @@ keep the table's rows complete: *staging* (all of a prefill's rows, once, after 
 time for a short hot buffer, every :data:`DEFERRED_FLUSH_STEPS` steps for a resident request; see
 the invariant below).
 
-Ordering (two :class:`~sglang_hisparse.copy_lane.CopyLane`\\ s, so that a long staging copy never
+Ordering (two :class:`~sglang_hisparse.memory.copy_lane.CopyLane`\\ s, so that a long staging copy never
 delays a decode step):
 
 * staging lane: a prefill's copy runs after the prefill's forward (current stream). Its fence
@@ -37,8 +37,8 @@ from typing import Any, Callable, Deque, Optional, Sequence
 
 import torch
 
-from sglang_hisparse.copy_lane import CopyLane, Fence
-from sglang_hisparse.host_pool import HiSparseHostPool
+from sglang_hisparse.memory.copy_lane import CopyLane, Fence
+from sglang_hisparse.memory.host_pool import HiSparseHostPool
 
 DEFERRED_FLUSH_STEPS = 256
 """Decode steps between two copies of the deferred (resident) requests' pending positions: at most

@@ -81,8 +81,8 @@ class ResidencyPolicy:
 class Residency:
     """Resident request slots and their rows (see the module docstring).
 
-    ``allocator``: our :class:`~sglang_hisparse.allocator.HiSparseAllocator` (mapping and rows);
-    ``hot``: the :class:`~sglang_hisparse.hot_buffers.HotBuffers` a demoted request moves into.
+    ``allocator``: our :class:`~sglang_hisparse.memory.allocator.HiSparseAllocator` (mapping and rows);
+    ``hot``: the :class:`~sglang_hisparse.memory.hot_buffers.HotBuffers` a demoted request moves into.
     """
 
     def __init__(self, allocator, hot, *, max_reqs: int, device: torch.device, policy: ResidencyPolicy):

@@ -28,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang_hisparse.replacement.reuse import policy_tables, slot_levels, updated_history
+from sglang_hisparse.resolver.reuse import policy_tables, slot_levels, updated_history
 from sglang_hisparse.resolver.reference import MissPlan, real_count, residency_tables
 
 

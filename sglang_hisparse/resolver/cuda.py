@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from sglang_hisparse.replacement.reuse import policy_tables
+from sglang_hisparse.resolver.reuse import policy_tables
 from sglang_hisparse.resolver import jit
 from sglang_hisparse.resolver.reference import MissPlan, residency_tables
 

@@ -24,7 +24,7 @@ For request ``i < num_real_reqs`` (rows at and beyond ``num_real_reqs`` are not 
 
 Replacement policy. The above is LRU, the default. With ``slot_history`` and ``reuse_levels``
 passed (both or neither) the history-only reuse table (``replacement: "reuse"``;
-``sglang_hisparse/replacement/reuse.py``) chooses the victims; only long-path requests (not
+``sglang_hisparse/resolver/reuse.py``) chooses the victims; only long-path requests (not
 resident, ``L > B``) are affected, resident and fast-path requests and padding rows are not:
 
 * ``slot_history`` (int16 [max_reqs, B], updated in place) packs per slot ``age | (count << 8)``:
@@ -63,7 +63,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang_hisparse.replacement.reuse import policy_tables, slot_levels, updated_history
+from sglang_hisparse.resolver.reuse import policy_tables, slot_levels, updated_history
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The history-only reuse-table policy (:class:`~.policies.ReuseTable` with ``use_rank=False``)
+"""The history-only reuse-table policy (``sglang_hisparse_analysis.policies.ReuseTable`` with ``use_rank=False``)
 in the form the resolvers run it (config ``replacement: "reuse"``).
 
 Per request and layer every hot-buffer slot keeps one int16 of history, ``age | (count << 8)``:
@@ -9,7 +9,7 @@ with history ``h`` sits in cell ``age_bucket((h & 0xff) + 1) * 6 + count_bucket(
 cell (lower: evicted first). The exact resolver semantics are in
 ``sglang_hisparse/resolver/reference.py``.
 
-The packaged table (:func:`history_table`) was fitted by ``scripts/traces/report.py`` on the
+The packaged table (:func:`history_table`) was fitted by ``scripts/research/traces/report.py`` on the
 tune documents of ``docs/policies.md`` (attention selector, k = 256, B = 512, horizon 4).
 """
 
@@ -24,7 +24,12 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from .policies import AGE_EDGES, COUNT_EDGES, PRIORITY_LEVELS
+#: Upper edges (inclusive) of the age buckets: steps since the resident was last selected.
+AGE_EDGES = (1, 2, 4, 8, 16, 32, 64, 128)
+#: Upper edges (inclusive) of the count buckets: selections since the resident was inserted.
+COUNT_EDGES = (1, 3, 7, 15, 31)
+#: Table probabilities are quantized to this many levels in composite keys.
+PRIORITY_LEVELS = 1 << 13
 
 #: Number of age buckets x count buckets.
 AGE_BUCKETS = len(AGE_EDGES) + 1

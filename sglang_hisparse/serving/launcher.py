@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = PACKAGE_DIR / "models"
 CPU_STAND_IN = PACKAGE_DIR / "cpu" / "stand_in"
 IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)"
                        r"(?:.*? steps=(\d+) host_us_per_step=([\d.]+))?"

@@ -1,6 +1,6 @@
 """A small PD router: one /generate in, the same request to the prefill and the decode instance.
 
-    python -m sglang_hisparse.pd_router --prefill http://P:30000 --bootstrap-port 8998 \
+    python -m sglang_hisparse.serving.pd_router --prefill http://P:30000 --bootstrap-port 8998 \
         --decode http://D:30001 --port 8000
 
 SGLang's PD protocol pairs the two halves of a request by three fields that both instances
@@ -133,7 +133,7 @@ def serve(router: Router, host: str, port: int) -> ThreadingHTTPServer:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sglang_hisparse.pd_router", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sglang_hisparse.serving.pd_router", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", required=True, help="the prefill instance's URL")
     p.add_argument("--decode", required=True, help="the decode instance's URL")

@@ -5,7 +5,7 @@ a few long requests in one batch to each, prints what the resolver did per decod
 rate, miss rows, bytes copied), the pools' free counts when the server is idle again, and
 whether the greedy outputs of the two servers are identical. Stops both servers by PID.
 
-    python -m sglang_hisparse.demo [--contexts 1500,2500,3000,3500] [--new-tokens 48]
+    python -m sglang_hisparse.tools.demo [--contexts 1500,2500,3000,3500] [--new-tokens 48]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_hisparse.testing.server import has_cuda, start_server, wait_for_idle_report
+from sglang_hisparse.serving.launcher import has_cuda, start_server, wait_for_idle_report
 
 STEP_LINE = re.compile(r"sglang-hisparse step \d+: .*")
 

@@ -1,6 +1,6 @@
 """Capacity planner: what a HiSparse deployment holds, before launching it.
 
-    python -m sglang_hisparse.plan --model-config <dir or config.json> --tp 8 --dp 8 --dp-attention \
+    python -m sglang_hisparse.tools.plan --model-config <dir or config.json> --tp 8 --dp 8 --dp-attention \
         --gpu-mem-gib 141 --host-mem-gib 2000 --context 32768 --device-buffer-size 4096 --ratio 8
 
 From the model's config (DSA dimensions, layers, weights), the GPU and host memory, the TP/DP
@@ -8,7 +8,7 @@ layout, the context length, B and the host ratio, it prints per rank the device 
 rows, the pinned host memory per rank and per host, and the most requests of that context that
 can decode at once with and without HiSparse; it refuses (exit 2, one line) a plan whose pinned
 host memory exceeds the host's. The ``sglang-hisparse capacity:`` line it prints is the one every
-HiSparse server logs at start-up (:func:`sglang_hisparse.admission.capacity_line`), so a plan can
+HiSparse server logs at start-up (:func:`sglang_hisparse.memory.admission.capacity_line`), so a plan can
 be checked against the server it describes.
 
 Accounting (per rank; every TP rank holds the MLA KV of the requests of its attention group):
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sglang_hisparse.admission import Capacity, capacity_line
+from sglang_hisparse.memory.admission import Capacity, capacity_line
 
 GIB = 1 << 30
 PAGE_SIZE = 64
@@ -144,7 +144,7 @@ def make_plan(dims: ModelDims, *, tp: int, dp: int, dp_attention: bool, gpu_mem_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sglang_hisparse.plan", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m sglang_hisparse.tools.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-config", type=Path, required=True, help="the model's directory or its config.json")
     p.add_argument("--tp", type=int, default=8)

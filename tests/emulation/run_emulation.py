@@ -77,7 +77,7 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
     """Run ``cases`` random cases (sequential or concurrent CTAs); returns (failures, reports)."""
     from sglang_hisparse.resolver import cuda as rcuda
     from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched
-    from sglang_hisparse.resolver.cases import (
+    from sglang_hisparse_testkit.resolver_cases import (
         HostPool,
         describe_difference,
         differences,

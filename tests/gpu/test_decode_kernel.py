@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from sglang_hisparse.allocator import map_new_pages_torch  # noqa: E402
-from sglang_hisparse.paging import decode_ids_torch  # noqa: E402
+from sglang_hisparse.memory.allocator import map_new_pages_torch  # noqa: E402
+from sglang_hisparse.memory.paging import decode_ids_torch  # noqa: E402
 from sglang_hisparse.resolver.jit import decode_module  # noqa: E402
 
 pytestmark = pytest.mark.gpu

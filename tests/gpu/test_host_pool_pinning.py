@@ -3,7 +3,7 @@
 SGLang's host pool maps its buffer with ``mmap`` and pins it with ``cudaHostRegister``. A pool
 dropped without ``destroy`` leaves its range registered after ``munmap``; the next pool whose
 mapping lands on those addresses then fails to register ("part or all of the requested memory
-range is already mapped": the second rig of the first ``scripts/bench_step_host.py --device cuda``
+range is already mapped": the second rig of the first ``scripts/research/bench_step_host.py --device cuda``
 run, the call before gpu_run74). The coordinator's ``destroy`` (SGLang calls it at shutdown; the
 rig's ``close``) must unpin it, and pools of one size must then build again and again in one
 process.

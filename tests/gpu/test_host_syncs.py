@@ -37,7 +37,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from rig import PAGE, Request, Rig  # noqa: E402,F401
-from sglang_hisparse.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
+from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

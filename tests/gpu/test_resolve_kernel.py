@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
-from sglang_hisparse.resolver.cases import (  # noqa: E402
+from sglang_hisparse_testkit.resolver_cases import (  # noqa: E402
     CaseSpec,
     HostPool,
     describe_difference,

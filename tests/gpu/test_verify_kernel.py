@@ -26,10 +26,10 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from sglang_hisparse.replacement.reuse import history_table, reuse_levels  # noqa: E402
+from sglang_hisparse.resolver.reuse import history_table, reuse_levels  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
-from sglang_hisparse.resolver.cases import (  # noqa: E402
+from sglang_hisparse_testkit.resolver_cases import (  # noqa: E402
     random_history, random_slot_map, verify_rows, verify_slot_positions,
 )
 from sglang_hisparse.resolver.reference import MissPlan, resolve_reference  # noqa: E402

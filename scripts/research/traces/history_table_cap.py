@@ -15,7 +15,7 @@ buy on the traces of ``docs/policies.md`` (simulator, which the kernel replays m
 Prints one line per variant and writes ``--out`` (JSON). Cost on the 2-core development machine:
 about 20 minutes for the default settings (``--workers 2``).
 
-Usage: python3 scripts/traces/history_table_cap.py --traces .traces --out docs/results/history_table_cap.json
+Usage: python3 scripts/research/traces/history_table_cap.py --traces .traces --out docs/results/history_table_cap.json
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 from report import HELDOUT, load  # noqa: E402
-from sglang_hisparse.replacement.policies import LruHitsLast, ReuseTable, fit_reuse_table  # noqa: E402
-from sglang_hisparse.replacement.reuse import CELLS, history_table, reuse_levels  # noqa: E402
-from sglang_hisparse.replacement.simulator import simulate  # noqa: E402
+from sglang_hisparse_analysis.policies import LruHitsLast, ReuseTable, fit_reuse_table  # noqa: E402
+from sglang_hisparse.resolver.reuse import CELLS, history_table, reuse_levels  # noqa: E402
+from sglang_hisparse_analysis.simulator import simulate  # noqa: E402
 
 #: Worker state (fork): the traces of the two splits and the run's k and B.
 _STATE: dict[str, Any] = {}
@@ -101,7 +101,7 @@ def run(traces_dir: Path, *, selector: str, k: int, B: int, horizons: list[int],
     paths = sorted(traces_dir.glob("*.npz"))
     split = {"tune": [p for p in paths if p.stem not in HELDOUT], "heldout": [p for p in paths if p.stem in HELDOUT]}
     if not split["tune"] or not split["heldout"]:
-        raise SystemExit(f"{traces_dir}: need tune and held-out traces (bash scripts/policy_report.sh generates them)")
+        raise SystemExit(f"{traces_dir}: need tune and held-out traces (bash scripts/research/policy_report.sh generates them)")
     _STATE.update(k=k, B=B, **{s: load_split(ps, selector, k) for s, ps in split.items()})
     selected = {s: sum(t.size for t in _STATE[s]) for s in split}
     lru = {s: _total_misses(LruHitsLast, s) for s in split}

@@ -3,9 +3,9 @@
 
 Per document: ``<doc>/ranked`` = the first ``k`` positions of the selector's ranking per (layer,
 step) (uint16 [layers, steps, k], the step's selection, best first) and ``<doc>/query_pos``
-(int32 [steps]); np.savez_compressed. Read by ``scripts/bench_policy_replay.py``.
+(int32 [steps]); np.savez_compressed. Read by ``scripts/research/bench_policy_replay.py``.
 
-Usage: python3 scripts/traces/pack_gpu.py .traces/topics_06.npz ... --out .traces_gpu/heldout3_k256.npz
+Usage: python3 scripts/research/traces/pack_gpu.py .traces/topics_06.npz ... --out .traces_gpu/heldout3_k256.npz
 """
 
 from __future__ import annotations
