@@ -152,16 +152,8 @@ def simulate(policy: Policy, ranked: np.ndarray, k: int, n_slots: int, *, check:
 
     Side effects: none on the inputs; ``policy`` may keep per-run state.
     """
-    ranked = np.asarray(ranked)
-    if ranked.ndim != 3:
-        raise ValueError("ranked must be (N, S, R)")
-    n, s_total, r = ranked.shape
-    if r < k:
-        raise ValueError(f"trace holds {r} ranks per step, need k={k}")
-    if n_slots < k:
-        raise ValueError(f"B={n_slots} must be >= k={k}")
-    if n_slots > MAX_SLOTS:
-        raise ValueError(f"B={n_slots} exceeds {MAX_SLOTS}")
+    ranked = _checked_trace(ranked, k, n_slots)
+    n, s_total, _ = ranked.shape
     n_positions = max(int(ranked.max()) + 1, n_slots)
     state = CacheState.initial(n, n_slots, n_positions)
     policy.prepare(ranked, k, state)
@@ -172,33 +164,58 @@ def simulate(policy: Policy, ranked: np.ndarray, k: int, n_slots: int, *, check:
         sel = step_ranked[:, :k].astype(np.int64)
         sel_slot = state.where[rows, sel]
         hit = sel_slot >= 0
-        miss = ~hit
-        n_miss = miss.sum(axis=1)
+        n_miss = (~hit).sum(axis=1)
         misses[:, step] = n_miss
         view = StepView(step=step, sel=sel, ranked=step_ranked, sel_slot=sel_slot, hit=hit)
         if n_miss.any():
-            ekey = np.asarray(policy.eviction_keys(view, state), dtype=np.int64)
-            pinned = np.zeros(ekey.shape, dtype=bool)
-            hit_rows, hit_cols = np.nonzero(hit)
-            pinned[hit_rows, sel_slot[hit_rows, hit_cols]] = True
-            victims = _victim_slots(ekey, pinned, n_miss)
-            miss_rank = np.cumsum(miss, axis=1) - 1
-            m_rows, m_cols = np.nonzero(miss)
-            v = victims[m_rows, miss_rank[m_rows, m_cols]]
-            if check:
-                assert not pinned[m_rows, v].any(), "evicted a selected slot"
-                assert np.all(np.abs(ekey) < KEY_LIMIT), "policy key out of range"
-            old_pos = state.slot_pos[m_rows, v]
-            state.where[m_rows, old_pos] = -1
-            new_pos = sel[m_rows, m_cols]
-            state.slot_pos[m_rows, v] = new_pos
-            state.where[m_rows, new_pos] = v
+            _insert_misses(policy, view, state, n_miss, check)
         new_slot = state.where[rows, sel]
         policy.after_step(view, state, new_slot)
         if check:
             state.check()
             assert np.all(new_slot >= 0), "a selected position is not resident"
     return misses
+
+
+def _checked_trace(ranked: np.ndarray, k: int, n_slots: int) -> np.ndarray:
+    """``ranked`` as an array, after checking the shapes :func:`simulate` supports (raises
+    ValueError otherwise). No side effects."""
+    ranked = np.asarray(ranked)
+    if ranked.ndim != 3:
+        raise ValueError("ranked must be (N, S, R)")
+    r = ranked.shape[2]
+    if r < k:
+        raise ValueError(f"trace holds {r} ranks per step, need k={k}")
+    if n_slots < k:
+        raise ValueError(f"B={n_slots} must be >= k={k}")
+    if n_slots > MAX_SLOTS:
+        raise ValueError(f"B={n_slots} exceeds {MAX_SLOTS}")
+    return ranked
+
+
+def _insert_misses(policy: Policy, view: StepView, state: CacheState, n_miss: np.ndarray, check: bool) -> None:
+    """One step's eviction and insertion: the policy's eviction keys choose, per cache, a victim
+    slot for every miss (never a slot hit this step; the j-th miss in selection order takes the
+    j-th victim), and each miss takes its victim's slot. Updates ``state.slot_pos`` and
+    ``state.where`` in place; with ``check``, asserts the choice and the keys are valid."""
+    sel, sel_slot, hit = view.sel, view.sel_slot, view.hit
+    miss = ~hit
+    ekey = np.asarray(policy.eviction_keys(view, state), dtype=np.int64)
+    pinned = np.zeros(ekey.shape, dtype=bool)
+    hit_rows, hit_cols = np.nonzero(hit)
+    pinned[hit_rows, sel_slot[hit_rows, hit_cols]] = True
+    victims = _victim_slots(ekey, pinned, n_miss)
+    miss_rank = np.cumsum(miss, axis=1) - 1
+    m_rows, m_cols = np.nonzero(miss)
+    v = victims[m_rows, miss_rank[m_rows, m_cols]]
+    if check:
+        assert not pinned[m_rows, v].any(), "evicted a selected slot"
+        assert np.all(np.abs(ekey) < KEY_LIMIT), "policy key out of range"
+    old_pos = state.slot_pos[m_rows, v]
+    state.where[m_rows, old_pos] = -1
+    new_pos = sel[m_rows, m_cols]
+    state.slot_pos[m_rows, v] = new_pos
+    state.where[m_rows, new_pos] = v
 
 
 def keep_only_topk_misses(ranked: np.ndarray, k: int) -> np.ndarray:

@@ -327,30 +327,78 @@ def make_case(
     ``max_reqs * (B + 1) * item_bytes`` bytes; the used region is poisoned identically in both."""
     gen = torch.Generator(device=device)
     gen.manual_seed(spec.seed)
-    B, K, R, n, n_real = spec.B, spec.top_k, spec.max_reqs, spec.num_reqs, spec.num_real
-    dev = device
-    ctx = 4 * B + 64  # host_locs columns (max context)
+    draw = _Draws(gen, device)
+    ctx = 4 * spec.B + 64  # host_locs columns (max context)
     host_kv, mirror = pool.views(spec.item_bytes)
-    H = host_kv.shape[0]
-    assert H >= ctx, "host pool too small for the context"
-    D = R * (B + 1)
+    assert host_kv.shape[0] >= ctx, "host pool too small for the context"
+    D = spec.max_reqs * (spec.B + 1)
     need = D * spec.item_bytes
     assert kernel_buf.numel() >= need and ref_buf.numel() >= need, "device KV buffers too small"
 
-    def randint(lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randint(lo, hi, shape, generator=gen, device=dev)
+    rows = _pool_rows(spec, draw, ctx, host_kv.shape[0], D)
+    top_k_positions, seq_lens, rpi = _batch(spec, draw, rows, ctx)
+    out, plan, counters = _poisoned_outputs(spec, draw)
+    byte = int(draw.randint(0, 256, (1,)).item())
+    kernel_buf[:need].fill_(byte)
+    ref_buf[:need].fill_(byte)
+    inputs = dict(top_k_positions=top_k_positions, seq_lens=seq_lens, req_pool_indices=rpi,
+                  hot_locs=rows.hot_locs, host_locs=rows.host_locs, device_buffer_size=spec.B, skip_io=spec.skip_io)
+    optional, history_all, map_all = _optional_tables(spec, gen, ctx, D, rows.tokens)
+    inputs.update(optional)
+    tok_k, tok_r = rows.slot_tokens_all.clone(), rows.slot_tokens_all.clone()
+    lru_k, lru_r = rows.lru_all.clone(), rows.lru_all.clone()
+    kernel = _writable(spec, tok_k, lru_k, out, torch.tensor([spec.num_real], dtype=torch.int32, device=device),
+                       plan, counters, history_all.get("kernel"), map_all.get("kernel"))
+    ref = _writable(spec, tok_r, lru_r, out, spec.num_real, plan, counters, history_all.get("ref"),
+                    map_all.get("ref"))
+    return Case(
+        spec=spec, inputs=inputs, kernel=kernel, ref=ref, kernel_kv=kv_view(kernel_buf[:need], spec.item_bytes),
+        ref_kv=kv_view(ref_buf[:need], spec.item_bytes), device_rows=D, host_kv=host_kv, host_mirror=mirror,
+        slot_tokens_all={"kernel": tok_k, "ref": tok_r}, lru_all={"kernel": lru_k, "ref": lru_r},
+        history_all=history_all, map_all=map_all,
+    )
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=gen, device=dev)
 
-    # ---- per pool row: sequence length and tables ----
+class _Draws:
+    """Random tensors from one case's generator on its device. Every draw advances the generator:
+    a case is reproducible from its seed only if the draws keep their order."""
+
+    def __init__(self, gen: torch.Generator, device: torch.device) -> None:
+        self.gen = gen
+        self.dev = device
+
+    def randint(self, lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.gen, device=self.dev)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=self.gen, device=self.dev)
+
+
+@dataclass
+class _PoolRows:
+    """The per-pool-row state of a case: sequence lengths and the tables of every request slot."""
+
+    L: torch.Tensor  # [R] sequence lengths
+    short: torch.Tensor  # [R] L <= B (fast path)
+    tokens: torch.Tensor  # [R, B] the case layer's slot tokens
+    slot_tokens_all: torch.Tensor  # int32 [layers, R, B]
+    lru_all: torch.Tensor  # int16 [layers, R, B]
+    hot_locs: torch.Tensor  # int32 [R, B + 1 + extra]
+    host_locs: torch.Tensor  # [R, ctx]
+
+
+def _pool_rows(spec: CaseSpec, draw: _Draws, ctx: int, H: int, D: int) -> _PoolRows:
+    """Draw every pool row's sequence length, slot tables (the case layer's valid, the other
+    layers garbage), hot-buffer rows (disjoint, among the ``D`` device rows) and host rows (among
+    the ``H`` host rows)."""
+    B, R, dev, rand, randint = spec.B, spec.max_reqs, draw.dev, draw.rand, draw.randint
     u = rand(R)
     L = torch.where(u < spec.short_frac, randint(1, B + 1, (R,)), randint(B + 1, ctx + 1, (R,)))
     b = rand(R)
     L = torch.where(b < 0.05, torch.full_like(L, B), torch.where(b < 0.10, torch.full_like(L, B + 1), L))
     short = L <= B
 
-    tokens = _distinct_below(gen, R, ctx, L - 1, B)  # long rows: B distinct positions < L - 1
+    tokens = _distinct_below(draw.gen, R, ctx, L - 1, B)  # long rows: B distinct positions < L - 1
     empty = (rand(R, 1) < spec.empty_slot_prob) & (rand(R, B) < rand(R, 1))
     tokens = torch.where(empty, -1, tokens)
     tokens = torch.where(short[:, None], torch.arange(B, device=dev)[None, :].expand(R, B), tokens)
@@ -361,7 +409,7 @@ def make_case(
     lru_all[spec.layer] = lru.to(torch.int16)
 
     extra = spec.hot_extra_cols if spec.hot_extra_cols is not None else 1 + int(randint(0, 16, (1,)).item())
-    hot = torch.randperm(D, generator=gen, device=dev).view(R, B + 1).to(torch.int32)
+    hot = torch.randperm(D, generator=draw.gen, device=dev).view(R, B + 1).to(torch.int32)
     hot_locs = torch.cat([hot, randint(-(1 << 30), 1 << 30, (R, extra)).to(torch.int32)], dim=1)
     contiguous = rand(R) < spec.contiguous_host_prob
     base = randint(0, H - ctx + 1, (R,))
@@ -370,39 +418,50 @@ def make_case(
         base[:, None] + torch.arange(ctx, device=dev)[None, :],
         randint(0, H, (R, ctx)),
     )
+    return _PoolRows(L, short, tokens, slot_tokens_all, lru_all, hot_locs, host_locs)
 
-    # ---- the batch ----
-    r = torch.randperm(R, generator=gen, device=dev)[:n]
-    r = torch.cat([r[:n_real], randint(0, R, (n - n_real,))])  # padded rows may repeat real ones
-    Lb = L[r]
-    tok_b = tokens[r]
-    shortb = short[r]
 
-    pad = torch.where(rand(n) < spec.pad_prob, randint(0, K + 1, (n,)), torch.zeros(n, dtype=torch.long, device=dev))
+def _batch(spec: CaseSpec, draw: _Draws, rows: _PoolRows, ctx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw the batch: its request slots (distinct for the real rows), ``top_k_positions``,
+    ``seq_lens`` and ``req_pool_indices`` in the spec's dtypes; padded rows hold garbage."""
+    R, n, n_real, K, dev = spec.max_reqs, spec.num_reqs, spec.num_real, spec.top_k, draw.dev
+    r = torch.randperm(R, generator=draw.gen, device=dev)[:n]
+    r = torch.cat([r[:n_real], draw.randint(0, R, (n - n_real,))])  # padded rows may repeat real ones
+    Lb = rows.L[r]
+    sel = _selections(spec, draw, Lb, rows.tokens[r], rows.short[r], ctx)
+    garbage = draw.randint(-3, ctx + 5, (n, K))
+    real_rows = (torch.arange(n, device=dev) < n_real)[:, None]
+    sel = torch.where(real_rows, sel, garbage)
+    if spec.topk_row_pad > 0:
+        wide = draw.randint(-5, 5, (n, K + spec.topk_row_pad)).to(torch.int32)
+        wide[:, :K] = sel.to(torch.int32)
+        top_k_positions = wide[:, :K]
+    else:
+        top_k_positions = sel.to(torch.int32).contiguous()
+    seq_lens = torch.where(real_rows[:, 0], Lb, draw.randint(-5, 2 * ctx, (n,))).to(spec.seq_dtype)
+    return top_k_positions, seq_lens, r.to(spec.rpi_dtype)
+
+
+def _selections(spec: CaseSpec, draw: _Draws, Lb: torch.Tensor, tok_b: torch.Tensor, shortb: torch.Tensor,
+                ctx: int) -> torch.Tensor:
+    """Draw each batch row's selections [n, K] (``Lb``, ``tok_b``, ``shortb``: its length, slot
+    tokens and fast-path flag): long rows get the spec's share of hits, misses, the newest position
+    at times and padding; short rows distinct positions below their length; padding at the end or
+    interleaved."""
+    n, K, rand = spec.num_reqs, spec.top_k, draw.rand
+    pad = torch.where(rand(n) < spec.pad_prob, draw.randint(0, K + 1, (n,)),
+                      torch.zeros(n, dtype=torch.long, device=draw.dev))
     newest_flag = (rand(n) < spec.newest_prob) & ~shortb
     n_sel = (K - pad - newest_flag.long()).clamp(min=0)
-    filled = (tok_b >= 0).sum(1)
-    avail = (Lb - 1) - filled
-    if spec.hit_mode == "uniform":
-        hr = rand(n)
-    elif spec.hit_mode == "zero":
-        hr = torch.zeros(n, device=dev)
-    elif spec.hit_mode == "one":
-        hr = torch.ones(n, device=dev)
-    else:
-        hr = torch.full((n,), float(spec.hit_rate), device=dev)
-    target = torch.round(hr * n_sel).long()
-    hits = torch.minimum(torch.maximum(target, (n_sel - avail).clamp(min=0)), filled)
-    hits = torch.minimum(hits, n_sel)
-    misses = n_sel - hits
+    hits, misses = _hit_counts(spec, draw, n_sel, Lb, tok_b)
 
-    hit_order = rand(n, B).masked_fill(tok_b < 0, 2.0).argsort(dim=1)
+    hit_order = rand(n, spec.B).masked_fill(tok_b < 0, 2.0).argsort(dim=1)
     hitcand = tok_b.gather(1, hit_order)[:, :K]
-    in_table = torch.zeros(n, ctx, dtype=torch.long, device=dev)
+    in_table = torch.zeros(n, ctx, dtype=torch.long, device=draw.dev)
     in_table.scatter_add_(1, tok_b.clamp(min=0), (tok_b >= 0).long())  # add: empties must not clear
     in_table = in_table > 0
-    misscand = _distinct_below(gen, n, ctx, Lb - 1, K, exclude=in_table)
-    t = torch.arange(K, device=dev)[None, :]
+    misscand = _distinct_below(draw.gen, n, ctx, Lb - 1, K, exclude=in_table)
+    t = torch.arange(K, device=draw.dev)[None, :]
     hits_c, end_c = hits[:, None], (hits + misses)[:, None]
     sel_long = torch.where(
         t < hits_c,
@@ -414,27 +473,43 @@ def make_case(
         ),
     )
     n_short = torch.minimum(K - pad, Lb).clamp(min=0)
-    short_cand = _distinct_below(gen, n, B, Lb.clamp(max=B), K)
+    short_cand = _distinct_below(draw.gen, n, spec.B, Lb.clamp(max=spec.B), K)
     sel_short = torch.where(t < n_short[:, None], short_cand, -1)
     sel = torch.where(shortb[:, None], sel_short, sel_long)
     order_keys = rand(n, K) + 2.0 * ((sel < 0) & (rand(n, 1) >= spec.interleave_pad_prob))
-    sel = sel.gather(1, order_keys.argsort(dim=1))
-    garbage = randint(-3, ctx + 5, (n, K))
-    real_rows = (torch.arange(n, device=dev) < n_real)[:, None]
-    sel = torch.where(real_rows, sel, garbage)
-    if spec.topk_row_pad > 0:
-        wide = randint(-5, 5, (n, K + spec.topk_row_pad)).to(torch.int32)
-        wide[:, :K] = sel.to(torch.int32)
-        top_k_positions = wide[:, :K]
-    else:
-        top_k_positions = sel.to(torch.int32).contiguous()
-    seq_lens = torch.where(real_rows[:, 0], Lb, randint(-5, 2 * ctx, (n,))).to(spec.seq_dtype)
-    rpi = r.to(spec.rpi_dtype)
+    return sel.gather(1, order_keys.argsort(dim=1))
 
-    # ---- outputs, poisoned (no real output is < -1) ----
-    poison = -int(randint(2, 1 << 30, (1,)).item())
-    out_rows = n + (spec.out_extra_rows if spec.out_extra_rows is not None else int(randint(0, 4, (1,)).item()))
-    out = torch.full((out_rows, K), poison, dtype=torch.int32, device=dev)
+
+def _hit_counts(spec: CaseSpec, draw: _Draws, n_sel: torch.Tensor, Lb: torch.Tensor, tok_b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hits and misses [n] of each batch row's ``n_sel`` selections: the spec's hit rate, within
+    what the slots hold (``tok_b``) and the positions not held below the newest (``Lb - 1``)."""
+    n, dev = spec.num_reqs, draw.dev
+    filled = (tok_b >= 0).sum(1)
+    avail = (Lb - 1) - filled
+    if spec.hit_mode == "uniform":
+        hr = draw.rand(n)
+    elif spec.hit_mode == "zero":
+        hr = torch.zeros(n, device=dev)
+    elif spec.hit_mode == "one":
+        hr = torch.ones(n, device=dev)
+    else:
+        hr = torch.full((n,), float(spec.hit_rate), device=dev)
+    target = torch.round(hr * n_sel).long()
+    hits = torch.minimum(torch.maximum(target, (n_sel - avail).clamp(min=0)), filled)
+    hits = torch.minimum(hits, n_sel)
+    return hits, n_sel - hits
+
+
+def _poisoned_outputs(spec: CaseSpec, draw: _Draws
+                      ) -> tuple[torch.Tensor, Optional[MissPlan], Optional[torch.Tensor]]:
+    """Draw the outputs' initial state: ``out`` (a few rows more than the batch at times) and the
+    plan (when the spec has one) poisoned with values no real output takes, and random counters
+    (when the spec has them)."""
+    R, K, dev = spec.max_reqs, spec.top_k, draw.dev
+    poison = -int(draw.randint(2, 1 << 30, (1,)).item())
+    extra_rows = spec.out_extra_rows if spec.out_extra_rows is not None else int(draw.randint(0, 4, (1,)).item())
+    out = torch.full((spec.num_reqs + extra_rows, K), poison, dtype=torch.int32, device=dev)
     plan = None
     if spec.plan:
         plan = MissPlan(
@@ -442,59 +517,52 @@ def make_case(
             device_rows=torch.full((R, K), poison - 2, dtype=torch.int32, device=dev),
             counts=torch.full((R,), poison - 3, dtype=torch.int32, device=dev),
         )
-    counters = randint(0, 1 << 20, (2,)) if spec.counters else None
-    byte = int(randint(0, 256, (1,)).item())
-    kernel_buf[:need].fill_(byte)
-    ref_buf[:need].fill_(byte)
-    kernel_kv = kv_view(kernel_buf[:need], spec.item_bytes)
-    ref_kv = kv_view(ref_buf[:need], spec.item_bytes)
+    counters = draw.randint(0, 1 << 20, (2,)) if spec.counters else None
+    return out, plan, counters
 
-    def clone_plan(p: Optional[MissPlan]) -> Optional[MissPlan]:
-        if p is None:
-            return None
-        return MissPlan(p.host_rows.clone(), p.device_rows.clone(), p.counts.clone())
 
-    tok_k, tok_r = slot_tokens_all.clone(), slot_tokens_all.clone()
-    lru_k, lru_r = lru_all.clone(), lru_all.clone()
-    inputs = dict(
-        top_k_positions=top_k_positions,
-        seq_lens=seq_lens,
-        req_pool_indices=rpi,
-        hot_locs=hot_locs,
-        host_locs=host_locs,
-        device_buffer_size=B,
-        skip_io=spec.skip_io,
-    )
-    if spec.residency:  # drawn last: the other tensors of a spec do not depend on it
-        inputs.update(_residency_tables(spec, gen, R, ctx, first_row=D))
+def _optional_tables(spec: CaseSpec, gen: torch.Generator, ctx: int, D: int, tokens: torch.Tensor
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Draw the tables of the spec's optional features, last and in this order (the other tensors
+    of a spec do not depend on them): the residency inputs, the reuse policy's ``reuse_levels``
+    input and its per-layer history, the slot map. Returns the extra inputs and the history and
+    map copies ``{"kernel": ..., "ref": ...}`` (empty when off)."""
+    inputs: dict[str, torch.Tensor] = {}
+    if spec.residency:
+        inputs.update(_residency_tables(spec, gen, spec.max_reqs, ctx, first_row=D))
     history_all: dict[str, torch.Tensor] = {}
-    if spec.reuse:  # drawn after residency, for the same reason
-        levels, hist = _reuse_tables(spec, gen, R)
+    if spec.reuse:
+        levels, hist = _reuse_tables(spec, gen, spec.max_reqs)
         inputs["reuse_levels"] = levels
         history_all = {"kernel": hist.clone(), "ref": hist.clone()}
-    kernel = dict(
-        slot_tokens=tok_k[spec.layer], lru=lru_k[spec.layer], out=out.clone(),
-        num_real_reqs=torch.tensor([n_real], dtype=torch.int32, device=dev),
-        plan=clone_plan(plan), counters=None if counters is None else counters.clone(),
-    )
-    ref = dict(
-        slot_tokens=tok_r[spec.layer], lru=lru_r[spec.layer], out=out.clone(), num_real_reqs=n_real,
-        plan=clone_plan(plan), counters=None if counters is None else counters.clone(),
-    )
-    if history_all:
-        kernel["slot_history"] = history_all["kernel"][spec.layer]
-        ref["slot_history"] = history_all["ref"][spec.layer]
     map_all: dict[str, torch.Tensor] = {}
-    if spec.slot_map:  # drawn last, for the same reason
-        slot_map = random_slot_map(gen, tokens, ctx + 3, B)
+    if spec.slot_map:
+        slot_map = random_slot_map(gen, tokens, ctx + 3, spec.B)
         map_all = {"kernel": slot_map.clone(), "ref": slot_map.clone()}
-        kernel["slot_map"], ref["slot_map"] = map_all["kernel"], map_all["ref"]
-    return Case(
-        spec=spec, inputs=inputs, kernel=kernel, ref=ref, kernel_kv=kernel_kv, ref_kv=ref_kv,
-        device_rows=D, host_kv=host_kv, host_mirror=mirror,
-        slot_tokens_all={"kernel": tok_k, "ref": tok_r}, lru_all={"kernel": lru_k, "ref": lru_r},
-        history_all=history_all, map_all=map_all,
+    return inputs, history_all, map_all
+
+
+def _writable(spec: CaseSpec, slot_tokens_all: torch.Tensor, lru_all: torch.Tensor, out: torch.Tensor,
+              num_real_reqs: Any, plan: Optional[MissPlan], counters: Optional[torch.Tensor],
+              history_all: Optional[torch.Tensor], slot_map: Optional[torch.Tensor]) -> dict[str, Any]:
+    """One side's (kernel's or reference's) resolver arguments that may be written: the case
+    layer of its own slot tables (and history), and its own copies of ``out``, the plan and the
+    counters."""
+    side = dict(
+        slot_tokens=slot_tokens_all[spec.layer], lru=lru_all[spec.layer], out=out.clone(),
+        num_real_reqs=num_real_reqs, plan=_clone_plan(plan), counters=None if counters is None else counters.clone(),
     )
+    if history_all is not None:
+        side["slot_history"] = history_all[spec.layer]
+    if slot_map is not None:
+        side["slot_map"] = slot_map
+    return side
+
+
+def _clone_plan(p: Optional[MissPlan]) -> Optional[MissPlan]:
+    if p is None:
+        return None
+    return MissPlan(p.host_rows.clone(), p.device_rows.clone(), p.counts.clone())
 
 
 def random_slot_map(gen: torch.Generator, tokens: torch.Tensor, cols: int, B: int) -> torch.Tensor:

@@ -9,10 +9,12 @@ the invariant below).
 Ordering (two :class:`~sglang_hisparse.memory.copy_lane.CopyLane`\\ s, so that a long staging copy never
 delays a decode step):
 
-* staging lane: a prefill's copy runs after the prefill's forward (current stream). Its fence
-  tells when the request may leave staging; until then its prefill device rows stay allocated.
-* write-through lane: a step's copy runs after the current stream and the producer stream (the
-  overlap scheduler's forward, which wrote the token); the next forward is ordered after it with
+* staging lane (:class:`~sglang_hisparse.memory.staging.StagingQueue`): a prefill's copy runs after
+  the prefill's forward (current stream). Its fence tells when the request may leave staging;
+  until then its prefill device rows stay allocated.
+* write-through lane (:class:`~sglang_hisparse.memory.write_through.WriteThroughLane`): a step's
+  copy runs after the current stream and the producer stream (the overlap scheduler's forward,
+  which wrote the token); the next forward is ordered after it with
   :meth:`order_forward_after_write_through` before it writes the newest slot again.
 
 Invariant (per request slot): positions ``[0, mirrored_len)`` have a host row and a copy to it
@@ -31,14 +33,18 @@ copy that reads a request's rows is ordered before the rows are freed or overwri
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Deque, Optional, Sequence
 
 import torch
 
-from sglang_hisparse.memory.copy_lane import CopyLane, Fence
 from sglang_hisparse.memory.host_pool import HiSparseHostPool
+from sglang_hisparse.memory.staging import Staged, StagingQueue
+from sglang_hisparse.memory.write_through import (
+    WriteThroughLane,
+    due_again_at,
+    overwrites_newest_slot,
+    pending_positions,
+)
 
 DEFERRED_FLUSH_STEPS = 256
 """Decode steps between two copies of the deferred (resident) requests' pending positions: at most
@@ -52,13 +58,10 @@ NEVER = 2**62
 """``flush_at`` of a deferred request: no position count reaches it."""
 
 
-@dataclass(frozen=True)
-class _Staged:
-    req: Any
-    fence: Fence
-
-
 class HostMirror:
+    """Owns the host pool, ``row_table``, ``rows_allocated``, ``mirrored_len`` and ``flush_at``
+    (the invariant's state); its staging queue and write-through lane own the copies' fences."""
+
     def __init__(
         self,
         device_pool,
@@ -82,13 +85,15 @@ class HostMirror:
         """int64 [max_reqs] (CPU): the position count (``seq_len - 1``) at which each decoding
         request's pending positions are next due (:meth:`write_through_step`)."""
         self.producer_stream: Optional[Any] = None
-        self._staging_lane = CopyLane(device)
-        self._write_lane = CopyLane(device)
-        self._staged: Deque[_Staged] = deque()
-        self._unordered_write: Optional[Fence] = None
-        """The last copy of rows the next step overwrites, until the forward is ordered after it."""
-        self._last_write: Optional[Fence] = None
-        """The last write-through copy of any kind (lane order: done means every earlier one is)."""
+        """The overlap scheduler's forward stream (set by the coordinator): write-through copies
+        run after it."""
+        self._staging = StagingQueue(device)
+        self._writes = WriteThroughLane(device)
+
+    @property
+    def _staged(self) -> Deque[Staged]:
+        """The staging queue's entries, front first (the queue itself: tests replace a fence)."""
+        return self._staging.entries
 
     # --- staging -----------------------------------------------------------------------------
     def stage(self, req: Any, device_rows: torch.Tensor) -> None:
@@ -99,43 +104,30 @@ class HostMirror:
         """
         idx, n = req.req_pool_idx, device_rows.numel()
         host_rows = self.pool.alloc_paged_token_slots(self.row_table, self.rows_allocated, idx, 0, n)
-        fence = self._staging_lane.submit(
-            lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
-            reads=(device_rows, host_rows),
-        )
+        self._staging.submit(req, lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
+                             reads=(device_rows, host_rows))
         self.mirrored_len[idx] = n
         self.flush_at[idx] = n + 1
-        self._staged.append(_Staged(req, fence))
 
     def staged_count(self) -> int:
-        return len(self._staged)
+        return len(self._staging)
 
     def is_staged(self, req: Any) -> bool:
-        return any(entry.req is req for entry in self._staged)
+        return self._staging.contains(req)
 
     def copied_prefix(self, *, block: bool) -> list[Any]:
         """The requests at the front of the staging queue whose copy finished, in order. With
         ``block`` the host first waits for every queued copy (all of them are then returned)."""
-        if block and self._staged:
-            self._staged[-1].fence.wait()  # one lane: the newest fence done means all are done
-        ready = []
-        for entry in self._staged:
-            if not entry.fence.done():
-                break
-            ready.append(entry.req)
-        return ready
+        return self._staging.copied_prefix(block=block)
 
     def pop_staged(self) -> Any:
         """Remove the front of the staging queue (its copy finished); returns its request."""
-        return self._staged.popleft().req
+        return self._staging.pop()
 
     def drop_staged(self, req: Any) -> None:
         """Remove ``req`` from the staging queue and block until its copy finished (its device
         rows may then be freed and reused). No effect for a request not in the queue."""
-        for entry in list(self._staged):
-            if entry.req is req:
-                self._staged.remove(entry)
-                entry.fence.wait()
+        self._staging.drop(req)
 
     # --- direct admission (PD) ---------------------------------------------------------------
     def mark_complete(self, req_pool_idx: int, n_tokens: int) -> None:
@@ -201,8 +193,8 @@ class HostMirror:
             return
         at = due.nonzero().view(-1)
         idx, end = req_pool_idxs[at], end[at]
-        self._copy(idx, end, device_rows_of, urgent=bool((end - 1 >= buffer_size).any()))
-        self.flush_at[idx] = torch.minimum(end + self.pool.page_size, torch.clamp(end + 1, min=buffer_size + 1))
+        self._copy(idx, end, device_rows_of, urgent=overwrites_newest_slot(end, buffer_size))
+        self.flush_at[idx] = due_again_at(end, page_size=self.pool.page_size, buffer_size=buffer_size)
 
     def _copy(self, idx: torch.Tensor, end: torch.Tensor, device_rows_of, *, urgent: bool) -> None:
         """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64 CPU
@@ -215,44 +207,34 @@ class HostMirror:
         idx, start, end, pending = idx[take], start[take], end[take], pending[take]
         self.pool.grow_rows(self.row_table, self.rows_allocated, idx, end)
         self.mirrored_len[idx] = end
-        if bool((pending == 1).all()):  # each request's previous token
-            reqs, positions = idx, start
-        else:
-            reqs = idx.repeat_interleave(pending)
-            offsets = torch.arange(reqs.numel()) - (pending.cumsum(0) - pending).repeat_interleave(pending)
-            positions = start.repeat_interleave(pending) + offsets
+        reqs, positions = pending_positions(idx, start, pending)
         device = self.row_table.device
         req_t = reqs.to(device, non_blocking=True)
         pos_t = positions.to(device, non_blocking=True)
         host_rows = self.row_table[req_t, pos_t]
         device_rows = device_rows_of(req_t, pos_t)
-        self._last_write = self._write_lane.submit(
+        self._writes.submit(
             lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
             after=(self.producer_stream,),
             reads=(device_rows, host_rows),
+            urgent=urgent,
         )
-        if urgent:
-            self._unordered_write = self._last_write
 
     def order_forward_after_write_through(self) -> None:
         """Make the current stream wait (on the device) for the last copy of rows the next step
         overwrites (none pending: nothing to wait for)."""
-        if self._unordered_write is not None:
-            self._unordered_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
-            self._unordered_write = None
+        self._writes.order_forward()
 
     def order_after_writes(self) -> None:
         """Make the current stream wait (on the device) for every write-through copy submitted so
         far: before rows they read are freed, or host rows they write are handed out again."""
-        if self._last_write is not None:
-            self._last_write.order_before(torch.get_device_module(self.row_table.device).current_stream())
-            self._last_write = self._unordered_write = None
+        self._writes.order_all()
 
     # --- retraction (PD decode): KV out of the host pool and back ------------------------------
     def snapshot(self, req_pool_idx: int, n_tokens: int) -> torch.Tensor:
         """A copy of positions ``0..n-1`` (every layer) in ordinary CPU memory, taken after every
         submitted write-through finished. Shape ``[layers, n, 1, row]``; the rows stay allocated."""
-        self._write_lane.drain()
+        self._writes.drain()
         rows = self.row_table[req_pool_idx, :n_tokens].cpu()
         return self.pool.kv_buffer[:, rows].clone()
 
@@ -269,5 +251,5 @@ class HostMirror:
 
     def drain(self) -> None:
         """Block until every submitted copy finished."""
-        self._staging_lane.drain()
-        self._write_lane.drain()
+        self._staging.drain()
+        self._writes.drain()

@@ -9,7 +9,9 @@ and clears the mapping; later selections of dropped positions miss and are copie
 
 Mechanism (:class:`Residency`, this module) and policy (:class:`ResidencyPolicy`) are apart:
 the policy says whether a request may stay resident, which resident requests to demote first and
-which pages a demoted request keeps; the mechanism only moves rows.
+which pages a demoted request keeps; the mechanism only moves rows, and keeps the record of who is
+resident with how many positions and pages in its base class
+(:class:`~sglang_hisparse.memory.resident_slots.ResidentSlots`).
 
 Owned state (docs/design.md, "Ownership"): the per-request-slot resident flag ``flags`` (uint8
 [max_reqs] on the KV device, read by the resolver) and the positions each resident request has on
@@ -42,6 +44,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.resident_slots import ResidentSlots
 
 
 @dataclass(frozen=True)
@@ -78,93 +81,24 @@ class ResidencyPolicy:
         return torch.topk(ranked, count).indices.flip(0)
 
 
-class Residency:
-    """Resident request slots and their rows (see the module docstring).
+class Residency(ResidentSlots):
+    """Resident request slots and their rows (see the module docstring); the record of who is
+    resident, with how many positions and pages, is :class:`ResidentSlots`.
 
     ``allocator``: our :class:`~sglang_hisparse.memory.allocator.HiSparseAllocator` (mapping and rows);
     ``hot``: the :class:`~sglang_hisparse.memory.hot_buffers.HotBuffers` a demoted request moves into.
     """
 
     def __init__(self, allocator, hot, *, max_reqs: int, device: torch.device, policy: ResidencyPolicy):
+        super().__init__(max_reqs=max_reqs, page_size=allocator.page_size, padded=hot.padded)
         self.allocator = allocator
         self.hot = hot
         self.policy = policy
-        self.page_size = allocator.page_size
         self.flags = torch.zeros(max_reqs, dtype=torch.uint8, device=device)
-        self.length = torch.zeros(max_reqs, dtype=torch.int64)
-        """Per request slot, the positions a resident request has on the device (0: not resident)."""
-        self._members: set[int] = set()
-        self._pages: dict[int, int] = {}
-        """Per resident request slot, the pages of rows it holds (Python, so that a page start
-        costs no tensor op)."""
-        self._reclaimable_total = 0
-        """Sum of :meth:`reclaimable` (kept up to date on every change of ``length``)."""
         self.admitted_total = 0
         self.demotions_total = 0
 
-    # --- queries -----------------------------------------------------------------------------
-    def holds(self, idx: int) -> bool:
-        return idx in self._members
-
-    def count(self) -> int:
-        return len(self._members)
-
-    def holds_all(self, idxs: list[int]) -> bool:
-        """Are all these request slots resident? (Python set work, no tensor op.)"""
-        return self._members.issuperset(idxs)
-
-    def length_of(self, idx: int) -> int:
-        """Positions resident slot ``idx`` has on the device."""
-        return int(self.length[idx])
-
-    @property
-    def lengths(self) -> dict[int, int]:
-        """Resident request slot -> positions on the device (a copy; per-request work: not for the
-        decode step's hot path, which uses :meth:`mask` and ``length``)."""
-        return {idx: int(self.length[idx]) for idx in self._members}
-
-    def mask(self, idxs: torch.Tensor) -> torch.Tensor:
-        """Which of the request slots ``idxs`` (int64 CPU tensor) are resident (bool CPU tensor)."""
-        return self.length[idxs] > 0
-
-    def _rows(self, n: int) -> int:
-        return -(-n // self.page_size) * self.page_size
-
-    def _over_padded(self, pages: int) -> int:
-        """Rows a resident request holding ``pages`` pages frees when demoted."""
-        return max(0, pages * self.page_size - self.hot.padded)
-
-    def _set_pages(self, idx: int, pages: Optional[int]) -> None:
-        """The writer of one slot's page count (None: the slot leaves), keeping the reclaimable
-        total and the members."""
-        if idx in self._members:
-            self._reclaimable_total -= self._over_padded(self._pages.pop(idx))
-        if pages is None:
-            self._members.discard(idx)
-        else:
-            self._members.add(idx)
-            self._pages[idx] = pages
-            self._reclaimable_total += self._over_padded(pages)
-
-    def _set_length(self, idx: int, n: Optional[int]) -> None:
-        """The writer of one slot's ``length`` (None: the slot leaves), keeping the reclaimable
-        total and the members (:meth:`grow` updates many slots at once)."""
-        if n is None:
-            self._set_pages(idx, None)
-            self.length[idx] = 0
-        else:
-            assert n > 0, "a resident request has positions on the device"
-            self._set_pages(idx, -(-n // self.page_size))
-            self.length[idx] = n
-
-    def reclaimable(self) -> dict[int, int]:
-        """Per resident request slot, the device rows its demotion would free."""
-        return {idx: self._over_padded(pages) for idx, pages in self._pages.items()}
-
-    def reclaimable_rows(self) -> int:
-        """The rows demoting every resident request would free (no per-request work)."""
-        return self._reclaimable_total
-
+    # --- pressure ----------------------------------------------------------------------------
     def rows_needed(self, at_page_start: list[tuple[int, int]]) -> int:
         """Free rows the resident requests among ``at_page_start`` (``(slot, seq_len)`` of requests
         whose newest position ``seq_len - 1`` starts a page) take in a one-token step: a page each."""

@@ -24,7 +24,7 @@ position -> slot map, see ``reference.py``) each miss's entry is written.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -33,27 +33,14 @@ from sglang_hisparse.resolver.reference import MissPlan, real_count, residency_t
 
 
 def resolve_batched(
-    *,
-    top_k_positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    hot_locs: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    lru: torch.Tensor,
-    host_locs: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
-    out: torch.Tensor,
-    num_real_reqs: Union[int, torch.Tensor],
-    device_buffer_size: int,
-    skip_io: bool = False,
-    plan: Optional[MissPlan] = None,
-    counters: Optional[torch.Tensor] = None,
-    resident: Optional[torch.Tensor] = None,
-    req_to_token: Optional[torch.Tensor] = None,
+    *, top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+    hot_locs: torch.Tensor, slot_tokens: torch.Tensor, lru: torch.Tensor, host_locs: torch.Tensor,
+    host_kv: torch.Tensor, device_kv: torch.Tensor, out: torch.Tensor,
+    num_real_reqs: Union[int, torch.Tensor], device_buffer_size: int, skip_io: bool = False,
+    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
-    slot_history: Optional[torch.Tensor] = None,
-    reuse_levels: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
@@ -71,26 +58,72 @@ def resolve_batched(
     B = int(device_buffer_size)
     dev = top_k_positions.device
     pos = top_k_positions[:n].long()  # [n, K]
-    K = pos.shape[1]
     L = seq_lens[:n].long().to(dev)
     r = req_pool_indices[:n].long().to(dev)
     assert torch.unique(r).numel() == n, "batched reference needs distinct req_pool_indices"
 
     hot = hot_locs.index_select(0, r).long()  # [n, W]
-    if residency is None:
-        res = torch.zeros(n, dtype=torch.bool, device=dev)
-        result = torch.full((n, K), -1, dtype=torch.long, device=dev)
-    else:
-        res = resident.index_select(0, r.to(resident.device)).to(dev) != 0
-        result = torch.where(res[:, None], _resident_rows(pos, L, r, req_to_token, logical_to_device), -1)
+    res, result = _resident_results(pos, L, r, residency)
     short = (L <= B) & ~res  # fast path rows
     longr = ~short & ~res
+    result = torch.where(short[:, None], _fast_results(pos, hot), result)
 
-    # Fast path: position p lives at slot p.
-    fast_val = torch.where(pos >= 0, hot.gather(1, pos.clamp(0, hot.shape[1] - 1)), -1)
-    result = torch.where(short[:, None], fast_val, result)
+    history = None if policy is None else slot_history.index_select(0, r.to(slot_history.device)).to(dev)  # [n, B]
+    long_rows = _plan_long_rows(pos, L, r, longr, hot, slot_tokens, lru, B, history, reuse_levels)
+    result = _long_results(long_rows, pos, hot, longr, B, result)
 
-    # Long path.
+    _write_misses(long_rows.miss, pos, long_rows.victim, long_rows.dev_row, r, host_locs=host_locs,
+                  host_kv=host_kv, device_kv=device_kv, slot_tokens=slot_tokens, skip_io=skip_io,
+                  plan_rows=None if plan is None else (plan, long_rows.miss_rank), slot_map=slot_map)
+    _update_long_rows(long_rows, r, longr, lru, slot_history, history)
+    out[:n] = result.to(out.dtype)
+    if plan is not None:
+        plan.counts[:n] = torch.where(longr, long_rows.M, 0).to(plan.counts.dtype)
+    if counters is not None:
+        counters += torch.stack([long_rows.valid.sum(), long_rows.M.sum()]).to(counters.device, counters.dtype)
+
+
+class _LongRows(NamedTuple):
+    """The long path's lookup and eviction choice for the batch ([n, K], one entry per selection,
+    unless noted; meaningful on long rows only)."""
+
+    newest: torch.Tensor  # the selection is the newest position L - 1
+    valid: torch.Tensor  # a counted selection of a long row (not padding, not the newest)
+    found: torch.Tensor  # valid and held by a slot
+    hit_slot: torch.Tensor  # the slot holding it (-1 if none)
+    slot_hit: torch.Tensor  # [n, B] the slot is hit by some selection
+    miss: torch.Tensor  # valid and not held
+    miss_rank: torch.Tensor  # rank among the row's misses, top-k order
+    M: torch.Tensor  # [n] misses per row
+    victim: torch.Tensor  # the victim slot each miss takes
+    new_order: torch.Tensor  # [n, B] the new recency order, oldest first
+    dev_row: torch.Tensor  # the victim slot's device row
+
+
+def _resident_results(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, residency: Optional[tuple]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows are resident ([n] bool) and the result so far ([n, K] int64): resident rows'
+    own device rows, -1 elsewhere (all -1 without the residency tables). Reads only."""
+    n, K = pos.shape
+    if residency is None:
+        res = torch.zeros(n, dtype=torch.bool, device=pos.device)
+        return res, torch.full((n, K), -1, dtype=torch.long, device=pos.device)
+    resident, req_to_token, logical_to_device = residency
+    res = resident.index_select(0, r.to(resident.device)).to(pos.device) != 0
+    return res, torch.where(res[:, None], _resident_rows(pos, L, r, req_to_token, logical_to_device), -1)
+
+
+def _fast_results(pos: torch.Tensor, hot: torch.Tensor) -> torch.Tensor:
+    """Fast path: position p lives at slot p (``hot``: the rows' hot_locs); -1 for padding."""
+    return torch.where(pos >= 0, hot.gather(1, pos.clamp(0, hot.shape[1] - 1)), -1)
+
+
+def _plan_long_rows(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, longr: torch.Tensor, hot: torch.Tensor,
+                    slot_tokens: torch.Tensor, lru: torch.Tensor, B: int, history: Optional[torch.Tensor],
+                    reuse_levels: Optional[torch.Tensor]) -> _LongRows:
+    """Lookup and eviction choice of the long rows (``longr``): hits against their slot tables,
+    misses ranked in top-k order, victims by LRU or, with ``history`` (the rows' ``slot_history``),
+    by the reuse levels. Reads only."""
     newest = pos == (L - 1)[:, None]
     valid = (pos >= 0) & ~newest & longr[:, None]
     tokens = slot_tokens.index_select(0, r).long()  # [n, B]
@@ -99,34 +132,36 @@ def resolve_batched(
     miss = valid & ~found
     miss_rank = miss.long().cumsum(1) - 1  # rank among misses, top-k order
     M = miss.sum(1)  # [n]
-    history = level = None
-    if policy is not None:
-        history = slot_history.index_select(0, r.to(slot_history.device)).to(dev)  # [n, B]
-        level = slot_levels(history, reuse_levels)
-    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, K, level)
+    level = None if history is None else slot_levels(history, reuse_levels)
+    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, pos.shape[1], level)
     dev_row = hot.gather(1, victim.clamp(min=0))
+    return _LongRows(newest, valid, found, hit_slot, slot_hit, miss, miss_rank, M, victim, new_order, dev_row)
 
-    result = torch.where(found, hot.gather(1, hit_slot.clamp(min=0)), result)
-    result = torch.where(miss, dev_row, result)
-    result = torch.where(newest & longr[:, None], hot[:, B : B + 1].expand(n, K), result)
 
-    _write_misses(miss, pos, victim, dev_row, r, host_locs=host_locs, host_kv=host_kv, device_kv=device_kv,
-                  slot_tokens=slot_tokens, skip_io=skip_io, plan_rows=None if plan is None else (plan, miss_rank),
-                  slot_map=slot_map)
+def _long_results(long_rows: _LongRows, pos: torch.Tensor, hot: torch.Tensor, longr: torch.Tensor, B: int,
+                  result: torch.Tensor) -> torch.Tensor:
+    """``result`` with the long rows' selections resolved: hits to their slot's row, misses to
+    their victim's row, the newest position to the reserved slot B. Reads only."""
+    n, K = pos.shape
+    result = torch.where(long_rows.found, hot.gather(1, long_rows.hit_slot.clamp(min=0)), result)
+    result = torch.where(long_rows.miss, long_rows.dev_row, result)
+    return torch.where(long_rows.newest & longr[:, None], hot[:, B : B + 1].expand(n, K), result)
+
+
+def _update_long_rows(long_rows: _LongRows, r: torch.Tensor, longr: torch.Tensor, lru: torch.Tensor,
+                      slot_history: Optional[torch.Tensor], history: Optional[torch.Tensor]) -> None:
+    """Table update of the long rows: writes their ``lru`` rows (the new order) and, with the
+    reuse policy (``history``: their ``slot_history`` rows before the step), their history."""
     long_idx = longr.nonzero(as_tuple=True)[0]
-    if long_idx.numel() > 0:
-        lru[r[long_idx]] = new_order[long_idx].to(lru.dtype)
-        if history is not None:
-            victim_hits = torch.zeros((n, B), dtype=torch.long, device=dev)
-            victim_hits.scatter_add_(1, victim.clamp(min=0), miss.long())
-            new_history = updated_history(history, slot_hit, victim_hits > 0)
-            rows = r[long_idx].to(slot_history.device)
-            slot_history[rows] = new_history[long_idx].to(slot_history.device)
-    out[:n] = result.to(out.dtype)
-    if plan is not None:
-        plan.counts[:n] = torch.where(longr, M, 0).to(plan.counts.dtype)
-    if counters is not None:
-        counters += torch.stack([valid.sum(), M.sum()]).to(counters.device, counters.dtype)
+    if long_idx.numel() == 0:
+        return
+    lru[r[long_idx]] = long_rows.new_order[long_idx].to(lru.dtype)
+    if history is not None:
+        victim_hits = torch.zeros_like(long_rows.slot_hit, dtype=torch.long)  # [n, B]
+        victim_hits.scatter_add_(1, long_rows.victim.clamp(min=0), long_rows.miss.long())
+        new_history = updated_history(history, long_rows.slot_hit, victim_hits > 0)
+        rows = r[long_idx].to(slot_history.device)
+        slot_history[rows] = new_history[long_idx].to(slot_history.device)
 
 
 def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, dev_row: torch.Tensor,

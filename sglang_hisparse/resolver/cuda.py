@@ -506,31 +506,16 @@ def _launch_bound(layer: _BoundLayer, top_k_positions, seq_lens, req_pool_indice
 
 
 def resolve_cuda(
-    *,
-    top_k_positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    hot_locs: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    lru: torch.Tensor,
-    host_locs: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
-    out: torch.Tensor,
-    num_real_reqs: Union[int, torch.Tensor],
-    device_buffer_size: int,
-    skip_io: bool = False,
-    plan: Optional[MissPlan] = None,
-    counters: Optional[torch.Tensor] = None,
-    resident: Optional[torch.Tensor] = None,
-    req_to_token: Optional[torch.Tensor] = None,
+    *, top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+    hot_locs: torch.Tensor, slot_tokens: torch.Tensor, lru: torch.Tensor, host_locs: torch.Tensor,
+    host_kv: torch.Tensor, device_kv: torch.Tensor, out: torch.Tensor,
+    num_real_reqs: Union[int, torch.Tensor], device_buffer_size: int, skip_io: bool = False,
+    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
-    slot_history: Optional[torch.Tensor] = None,
-    reuse_levels: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
-    workspace: ResolveWorkspace,
-    block_size: Optional[int] = None,
-    num_copiers: Optional[int] = None,
+    workspace: ResolveWorkspace, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
     stage_clock: Union[bool, str] = False,
 ) -> None:
     """Resolve one layer for a batch on the GPU (semantics: :func:`reference.resolve_reference`).
@@ -562,13 +547,9 @@ def resolve_cuda(
     B, top_k = int(device_buffer_size), int(top_k_positions.shape[-1])
     num_reqs = _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan)
     num_real = num_real_reqs if isinstance(num_real_reqs, torch.Tensor) else workspace.resolve_num_real
-    key = (B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers, _signature(hot_locs),
-           _signature(slot_tokens), _signature(lru), _signature(host_locs), _signature(host_kv), _signature(device_kv),
-           None if residency is None else tuple(_signature(t) for t in residency),
-           None if reuse is None else tuple(_signature(t) for t in reuse),
-           None if slot_map is None else _signature(slot_map),
-           None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
-           None if counters is None else _signature(counters), _signature(workspace.state), _signature(num_real))
+    key = _memo_key((B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers),
+                    (hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv), residency, reuse, slot_map, plan,
+                    counters, workspace.state, num_real)
     layer = _static_checked.get(key)
     static = layer.static if layer is not None else _validate_static(
         hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
@@ -579,11 +560,34 @@ def resolve_cuda(
         return  # validated, nothing to launch (binding would build the kernel module)
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)  # `num_real`, checked (an int written)
     if layer is None:
-        layer = _bind(static, B, top_k, n_real, stage_clock)
-        if len(_static_checked) >= _STATIC_MEMO_SIZE:
-            _static_checked.clear()
-        _static_checked[key] = layer
+        layer = _bind_memoized(key, static, B, top_k, n_real, stage_clock)
     _launch_bound(layer, top_k_positions, seq_lens, req_pool_indices, out)
+
+
+def _memo_key(options: tuple, tables: tuple, residency: Optional[tuple], reuse: Optional[tuple],
+              slot_map: Optional[torch.Tensor], plan: Optional[MissPlan], counters: Optional[torch.Tensor],
+              state: torch.Tensor, num_real: torch.Tensor) -> tuple:
+    """The key of one :func:`resolve_cuda` call in ``_static_checked``: its ``options`` (B, top_k,
+    skip_io, stage_clock, device, block_size, num_copiers), then the signatures of the tensors the
+    layer binds (``tables``: hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv; None for an
+    optional group not passed), the workspace ``state`` and ``num_real``. No side effects."""
+    return (*options, *(_signature(t) for t in tables),
+            None if residency is None else tuple(_signature(t) for t in residency),
+            None if reuse is None else tuple(_signature(t) for t in reuse),
+            None if slot_map is None else _signature(slot_map),
+            None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
+            None if counters is None else _signature(counters), _signature(state), _signature(num_real))
+
+
+def _bind_memoized(key: tuple, static: _Static, B: int, top_k: int, num_real: torch.Tensor,
+                   stage_clock: Union[bool, str]) -> _BoundLayer:
+    """Bind a validated layer (:func:`_bind`: builds the kernel module on first use) and remember it
+    under ``key`` in ``_static_checked`` (emptied first when it holds ``_STATIC_MEMO_SIZE``)."""
+    layer = _bind(static, B, top_k, num_real, stage_clock)
+    if len(_static_checked) >= _STATIC_MEMO_SIZE:
+        _static_checked.clear()
+    _static_checked[key] = layer
+    return layer
 
 
 BOUND_BYTES = 512

@@ -91,27 +91,14 @@ class MissPlan:
 
 
 def resolve_reference(
-    *,
-    top_k_positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    hot_locs: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    lru: torch.Tensor,
-    host_locs: torch.Tensor,
-    host_kv: torch.Tensor,
-    device_kv: torch.Tensor,
-    out: torch.Tensor,
-    num_real_reqs: Union[int, torch.Tensor],
-    device_buffer_size: int,
-    skip_io: bool = False,
-    plan: Optional[MissPlan] = None,
-    counters: Optional[torch.Tensor] = None,
-    resident: Optional[torch.Tensor] = None,
-    req_to_token: Optional[torch.Tensor] = None,
+    *, top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
+    hot_locs: torch.Tensor, slot_tokens: torch.Tensor, lru: torch.Tensor, host_locs: torch.Tensor,
+    host_kv: torch.Tensor, device_kv: torch.Tensor, out: torch.Tensor,
+    num_real_reqs: Union[int, torch.Tensor], device_buffer_size: int, skip_io: bool = False,
+    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
+    resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
-    slot_history: Optional[torch.Tensor] = None,
-    reuse_levels: Optional[torch.Tensor] = None,
+    slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
@@ -146,36 +133,20 @@ def resolve_reference(
     residency = residency_tables(resident, req_to_token, logical_to_device)
     policy = policy_tables(slot_history, reuse_levels)
     levels = None if policy is None else reuse_levels.to("cpu")
-    num_real_reqs = real_count(num_real_reqs)
+    layer = _Layer(hot_locs, slot_tokens, lru, host_locs, device_buffer_size, residency, slot_history, levels,
+                   slot_map)
     stats = ResolveStats()
     row_bytes = device_kv[0].numel() * device_kv.element_size()
-    for i in range(num_real_reqs):
-        r = int(req_pool_indices[i])
-        seq_len = int(seq_lens[i])
-        positions = top_k_positions[i].tolist()
-        copies: list[tuple[int, int]] = []
-        if residency is not None and bool(resident[r]):  # whole KV on device: its own rows
-            rows = logical_to_device[req_to_token[r, :seq_len].long()].tolist()
-            result = [int(rows[p]) if p >= 0 else -1 for p in positions]
-        elif seq_len <= device_buffer_size:  # fast path: position p sits in slot p
-            result = [int(hot_locs[r, p]) if p >= 0 else -1 for p in positions]
-        else:
-            result, copies, selected = _resolve_request(r, seq_len, positions, device_buffer_size, hot_locs,
-                                                        slot_tokens, lru, host_locs, slot_history, levels, slot_map)
-            stats.selected += selected
-        for host_row, device_row in copies if not skip_io else ():
-            device_kv[device_row].copy_(host_kv[host_row])
-        if plan is not None:
-            plan.counts[i] = len(copies)
-            for n, (host_row, device_row) in enumerate(copies):
-                plan.host_rows[i, n] = host_row
-                plan.device_rows[i, n] = device_row
+    for i in range(real_count(num_real_reqs)):
+        r, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
+        result, copies, selected = _resolve_one(layer, r, seq_len, top_k_positions[i].tolist())
+        stats.selected += selected
+        _copy_misses(i, copies, host_kv, device_kv, skip_io, plan)
         stats.misses += len(copies)
         stats.copied_bytes += 0 if skip_io else len(copies) * row_bytes
         out[i].copy_(torch.tensor(result, dtype=out.dtype))
     if counters is not None:
-        counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype,
-                                 device=counters.device)
+        counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype, device=counters.device)
     return stats
 
 
@@ -196,18 +167,77 @@ def residency_tables(resident, req_to_token, logical_to_device):
     return resident, req_to_token, logical_to_device
 
 
-def _resolve_request(
-    r: int, seq_len: int, positions: list[int], B: int, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
-    lru: torch.Tensor, host_locs: torch.Tensor, slot_history: Optional[torch.Tensor] = None,
-    levels: Optional[torch.Tensor] = None, slot_map: Optional[torch.Tensor] = None,
-) -> tuple[list[int], list[tuple[int, int]], int]:
+@dataclass(frozen=True)
+class _Layer:
+    """One call's per-layer tables (the keywords of :func:`resolve_reference`), for the per-request
+    helpers. ``B``: ``device_buffer_size``; ``residency``: ``(resident, req_to_token,
+    logical_to_device)`` or None; ``levels``: ``reuse_levels`` on the CPU, or None (LRU)."""
+
+    hot_locs: torch.Tensor
+    slot_tokens: torch.Tensor
+    lru: torch.Tensor
+    host_locs: torch.Tensor
+    B: int
+    residency: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    slot_history: Optional[torch.Tensor]
+    levels: Optional[torch.Tensor]
+    slot_map: Optional[torch.Tensor]
+
+
+def _resolve_one(layer: _Layer, r: int, seq_len: int, positions: list[int]
+                 ) -> tuple[list[int], list[tuple[int, int]], int]:
+    """Request slot ``r``'s device rows in top-k order, the copies its misses need and how many
+    positions it counts as selected, by its path (module docstring): resident (its own rows) and
+    fast path (slot p) copy, count and write nothing; the long path is :func:`_resolve_request`."""
+    if layer.residency is not None and bool(layer.residency[0][r]):  # whole KV on device: its own rows
+        _, req_to_token, logical_to_device = layer.residency
+        rows = logical_to_device[req_to_token[r, :seq_len].long()].tolist()
+        return [int(rows[p]) if p >= 0 else -1 for p in positions], [], 0
+    if seq_len <= layer.B:  # fast path: position p sits in slot p
+        return [int(layer.hot_locs[r, p]) if p >= 0 else -1 for p in positions], [], 0
+    return _resolve_request(layer, r, seq_len, positions)
+
+
+def _copy_misses(i: int, copies: list[tuple[int, int]], host_kv: torch.Tensor, device_kv: torch.Tensor,
+                 skip_io: bool, plan: Optional[MissPlan]) -> None:
+    """Batch row ``i``'s miss copies ``(host row, device row)``, in top-k order: copied from
+    ``host_kv`` into ``device_kv`` (unless ``skip_io``) and, with a ``plan``, recorded in its row
+    ``i`` (count and rows)."""
+    for host_row, device_row in copies if not skip_io else ():
+        device_kv[device_row].copy_(host_kv[host_row])
+    if plan is not None:
+        plan.counts[i] = len(copies)
+        for n, (host_row, device_row) in enumerate(copies):
+            plan.host_rows[i, n] = host_row
+            plan.device_rows[i, n] = device_row
+
+
+def _resolve_request(layer: _Layer, r: int, seq_len: int, positions: list[int]
+                     ) -> tuple[list[int], list[tuple[int, int]], int]:
     """One request past the fast path: its device rows in top-k order, the copies its misses need
     as (host row, device row) in top-k order, and how many positions were selected (the newest
     token and padding excluded). Updates the request's ``slot_tokens`` and ``lru`` rows, and with
     the reuse policy (``slot_history`` and the CPU ``levels``) its ``slot_history`` row, and with a
     ``slot_map`` the misses' entries of its row."""
+    result, hit_slots, miss_js, selected = _lookup(layer, r, seq_len, positions)
+    order = layer.lru[r].tolist()
+    evictable = [slot for slot in order if slot not in hit_slots]
+    assert len(miss_js) <= len(evictable), "more misses than evictable slots"
+    victims, rest = _choose_victims(layer, r, evictable, len(miss_js))
+    copies = _fill_victims(layer, r, positions, miss_js, victims, result)
+    new_order = rest + victims + [slot for slot in order if slot in hit_slots]
+    _update_recency(layer, r, new_order, hit_slots, victims)
+    return result, copies, selected
+
+
+def _lookup(layer: _Layer, r: int, seq_len: int, positions: list[int]
+            ) -> tuple[list[int], set[int], list[int], int]:
+    """Lookup stage: each selection of request slot ``r`` against its slot table. Returns the
+    result row (the newest token's reserved slot B and the hits filled in, -1 elsewhere), the
+    hit slots, the top-k indices of the misses and the number of selected positions (the newest
+    token and padding excluded). Reads only."""
     result = [-1] * len(positions)
-    slot_of = {tok: slot for slot, tok in enumerate(slot_tokens[r].tolist()) if tok >= 0}
+    slot_of = {tok: slot for slot, tok in enumerate(layer.slot_tokens[r].tolist()) if tok >= 0}
     hit_slots: set[int] = set()
     miss_js: list[int] = []
     selected = 0
@@ -215,7 +245,7 @@ def _resolve_request(
         if p < 0:
             continue
         if p == seq_len - 1:  # the newest token: its reserved slot B
-            result[j] = int(hot_locs[r, B])
+            result[j] = int(layer.hot_locs[r, layer.B])
             continue
         selected += 1
         slot = slot_of.get(p)
@@ -223,34 +253,49 @@ def _resolve_request(
             miss_js.append(j)
         else:
             hit_slots.add(slot)
-            result[j] = int(hot_locs[r, slot])
-    order = lru[r].tolist()
-    evictable = [slot for slot in order if slot not in hit_slots]
-    assert len(miss_js) <= len(evictable), "more misses than evictable slots"
-    if slot_history is None:
-        victims, rest = evictable[: len(miss_js)], evictable[len(miss_js):]
-    else:  # lowest (level, old LRU position) first; victims and the rest kept in old LRU order
-        level = slot_levels(slot_history[r].cpu(), levels).tolist()
-        chosen = set(sorted(range(len(evictable)), key=lambda n: (level[evictable[n]], n))[: len(miss_js)])
-        victims = [slot for n, slot in enumerate(evictable) if n in chosen]
-        rest = [slot for n, slot in enumerate(evictable) if n not in chosen]
+            result[j] = int(layer.hot_locs[r, slot])
+    return result, hit_slots, miss_js, selected
+
+
+def _choose_victims(layer: _Layer, r: int, evictable: list[int], misses: int) -> tuple[list[int], list[int]]:
+    """Eviction choice: the ``misses`` victims among ``evictable`` (request slot ``r``'s slots not
+    hit this step, in old LRU order) and the rest, both in old LRU order. LRU: the oldest; reuse
+    policy: lowest (level, old LRU position) first. Reads only."""
+    if layer.slot_history is None:
+        return evictable[:misses], evictable[misses:]
+    level = slot_levels(layer.slot_history[r].cpu(), layer.levels).tolist()
+    chosen = set(sorted(range(len(evictable)), key=lambda n: (level[evictable[n]], n))[:misses])
+    victims = [slot for n, slot in enumerate(evictable) if n in chosen]
+    rest = [slot for n, slot in enumerate(evictable) if n not in chosen]
+    return victims, rest
+
+
+def _fill_victims(layer: _Layer, r: int, positions: list[int], miss_js: list[int], victims: list[int],
+                  result: list[int]) -> list[tuple[int, int]]:
+    """Miss stage: the j-th miss (top-k index ``miss_js[j]``) takes victim slot ``victims[j]``.
+    Writes request slot ``r``'s ``slot_tokens`` entries (and ``slot_map`` entries, when given) and
+    the misses' ``result`` entries; returns the copies (host row, device row) in top-k order."""
     copies = []
     for j, slot in zip(miss_js, victims):
-        device_row = int(hot_locs[r, slot])
-        copies.append((int(host_locs[r, positions[j]]), device_row))
-        slot_tokens[r, slot] = positions[j]
-        if slot_map is not None:
-            slot_map[r, positions[j]] = slot
+        device_row = int(layer.hot_locs[r, slot])
+        copies.append((int(layer.host_locs[r, positions[j]]), device_row))
+        layer.slot_tokens[r, slot] = positions[j]
+        if layer.slot_map is not None:
+            layer.slot_map[r, positions[j]] = slot
         result[j] = device_row
-    new_order = rest + victims + [slot for slot in order if slot in hit_slots]
-    lru[r].copy_(torch.tensor(new_order, dtype=lru.dtype))
-    if slot_history is not None:
-        hit = torch.zeros(B, dtype=torch.bool)
+    return copies
+
+
+def _update_recency(layer: _Layer, r: int, new_order: list[int], hit_slots: set[int], victims: list[int]) -> None:
+    """Table update: writes request slot ``r``'s ``lru`` row (``new_order``) and, with the reuse
+    policy, its ``slot_history`` row (hits and victims selected now, the others one step older)."""
+    layer.lru[r].copy_(torch.tensor(new_order, dtype=layer.lru.dtype))
+    if layer.slot_history is not None:
+        hit = torch.zeros(layer.B, dtype=torch.bool)
         hit[torch.tensor(sorted(hit_slots), dtype=torch.long)] = True
-        victim = torch.zeros(B, dtype=torch.bool)
+        victim = torch.zeros(layer.B, dtype=torch.bool)
         victim[torch.tensor(victims, dtype=torch.long)] = True
-        slot_history[r].copy_(updated_history(slot_history[r].cpu(), hit, victim))
-    return result, copies, selected
+        layer.slot_history[r].copy_(updated_history(layer.slot_history[r].cpu(), hit, victim))
 
 
 def replay_plan_reference(

@@ -1,0 +1,185 @@
+"""Requests entering and leaving decode: staging after prefill, PD direct admission, finish.
+
+:class:`RequestLifecycle` implements the coordinator's per-request members
+(``admit_request_into_staging``, ``collect_ready_reqs``, ``admit_request_direct``,
+``request_finished``, the draft-state hand-over of speculative decoding). Entering, a request
+becomes resident (residency on and room above the watermark) or gets a hot buffer; leaving, it
+gives back whichever it holds, its host rows and (a hot buffer's) mapping.
+
+Owned state: the staged requests' draft states (``_draft_state``) and the request whose wait in
+staging was last logged (``_waiting_since``, one log line per episode). Everything else belongs to
+the components it drives (host mirror: host rows and staging; hot buffers; allocator: rows and
+mapping; :class:`~sglang_hisparse.decode.pressure.ResidentDecode`; stats).
+
+Invariants: requests leave staging in order, the same ones on every rank of the attention TP group
+(:func:`agreed_count`); a request's rows are freed only after the forward in flight and the copies
+reading or writing them (``quiesce``, then the mirror's ordering).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from sglang_hisparse.config import HiSparseConfig
+from sglang_hisparse.decode.pressure import ResidentDecode
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.residency import Residency
+from sglang_hisparse.stats import timed
+
+# The coordinator's logger: these lines were the coordinator's, and log configuration selects them
+# by that name.
+logger = logging.getLogger("sglang_hisparse.decode.coordinator")
+
+
+class RequestLifecycle:
+    def __init__(self, config: HiSparseConfig, *, tp_group, allocator, device_pool, req_to_token_pool, hot, mirror,
+                 stats, resident: Optional[ResidentDecode], quiesce: Callable[[], None]):
+        self.config, self.tp_group = config, tp_group
+        self.allocator, self.device_pool, self.req_to_token_pool = allocator, device_pool, req_to_token_pool
+        self.hot, self.mirror, self.stats = hot, mirror, stats
+        self.resident = resident
+        """The residency driver (None with residency off)."""
+        self.quiesce = quiesce
+        """Orders the current stream after the overlapped forward in flight (the coordinator's)."""
+        self.host_time = allocator.host_time
+        """Where :func:`~sglang_hisparse.stats.timed` adds our host time (the allocator's)."""
+        self._waiting_since: Optional[str] = None
+        self._draft_state: dict[int, Any] = {}
+
+    @property
+    def residency(self) -> Optional[Residency]:
+        return None if self.resident is None else self.resident.residency
+
+    def logical_ids(self, req, n: int) -> torch.Tensor:
+        """The logical ids (int64) of the request's positions ``0..n-1``; no side effects."""
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, :n].to(torch.int64)
+
+    # --- staging (after prefill) ---------------------------------------------------------------
+    def stage(self, req) -> None:
+        """After prefill: copy the request's KV (every layer) to host rows off the critical path."""
+        self.stats.note_activity()
+        self.mirror.stage(req, self.allocator.device_rows_of(self.logical_ids(req, req.extend_range.end)))
+
+    def keep_draft_state(self, req_pool_idx: int, state: Any) -> None:
+        """Hold a staged request's draft state (opaque) until it joins decode or leaves."""
+        self._draft_state[req_pool_idx] = state
+
+    def take_draft_state(self, req_pool_idx: int) -> Any:
+        """The draft state kept for a request joining decode (KeyError when none was kept)."""
+        return self._draft_state.pop(req_pool_idx)
+
+    def collect_ready(self) -> List[Any]:
+        """Staged requests, in order, whose copy finished on every rank and whose hot buffer fits.
+
+        The ready count is agreed with a MIN all-reduce over the attention TP group so every
+        rank returns the same requests. A request whose hot buffer does not fit yet stays in
+        staging with the ones behind it (logged once per episode). With ``wait_for_staging`` the
+        host first waits for every staging copy.
+        """
+        if not self.mirror.staged_count():
+            return []
+        copied = self.mirror.copied_prefix(block=self.config.wait_for_staging)
+        count = agreed_count(len(copied), self.tp_group)
+        return self._enter_copied(copied[:count]) if count else []
+
+    @timed("ready")
+    def _enter_copied(self, copied: list) -> List[Any]:
+        """Move the copied requests at the front of staging into decode, in order, until one does
+        not fit; returns those that entered."""
+        ready = []
+        for req in copied:
+            if not self._enter_decode(req):
+                self._log_waiting(req)
+                break
+            self.mirror.pop_staged()
+            ready.append(req)
+        if ready:
+            self._waiting_since = None
+        return ready
+
+    def _enter_decode(self, req) -> bool:
+        """A staged request whose host copy is done keeps its prefill rows resident (residency on
+        and room above the watermark) or moves into a hot buffer made of its first prefill pages
+        (needs no free rows). False, nothing changed, when neither fits."""
+        idx, n = req.req_pool_idx, req.kv.kv_allocated_len
+        logical = self.logical_ids(req, n)
+
+        def open_hot() -> bool:
+            return self.hot.open(idx, logical, filled=True) is not None
+
+        return open_hot() if self.resident is None else self.resident.enter(idx, logical, open_hot)
+
+    def _log_waiting(self, req) -> None:
+        if self._waiting_since != req.rid:
+            logger.info("sglang-hisparse: request %s waits in staging for device rows (%s)",
+                        req.rid, self.allocator.debug_print())
+            self._waiting_since = req.rid
+
+    # --- PD decode -------------------------------------------------------------------------------
+    def admit_direct(self, req) -> None:
+        """PD decode: the request's KV is already in its host rows. With residency and room, it
+        is loaded into rows of its own; otherwise it gets a hot buffer (short requests are loaded
+        from host, long ones start empty and miss on first use). Raises HiSparsePluginError when
+        no hot buffer fits (the PD admission budget should prevent it)."""
+        idx, n = req.req_pool_idx, req.kv.kv_allocated_len
+        logical = self.logical_ids(req, n)
+        rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
+        resident = rows is not None
+        if rows is None:
+            rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size, mapped=False)
+            if rows is None:
+                raise HiSparsePluginError(
+                    f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
+                    f"({self.allocator.debug_print()}); the PD admission budget should prevent this"
+                )
+            rows = rows[:n] if n <= self.hot.buffer_size else None
+        if rows is not None:
+            self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows)
+        self.mirror.mark_complete(idx, n)
+        if resident:
+            self.mirror.defer(idx)
+        self.stats.note_activity()
+
+    # --- leaving ---------------------------------------------------------------------------------
+    def finish(self, req) -> None:
+        """Free everything the request holds here: hot buffer, host rows, mapping. Idempotent
+        (a PD retraction calls it twice: our offload, then SGLang's ``retract_req``); a request
+        still in staging leaves staging. Only a hot buffer's ids are unmapped: a resident
+        request's ids stay mapped to its own rows for SGLang's free of them, which follows, and
+        a request holding neither has nothing mapped of ours (a PD request whose transfer failed)
+        or is gone already."""
+        idx = req.req_pool_idx
+        if idx is None:
+            return
+        self._draft_state.pop(idx, None)
+        if self.mirror.is_staged(req):
+            self._leave_staging(req)
+            return
+        self.quiesce()  # the overlapped forward may still read its rows
+        self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
+        if self.residency is not None and self.residency.holds(idx):
+            self.residency.release(idx)
+        elif self.hot.holds(idx):
+            self.allocator.unmap_logical(self.logical_ids(req, req.kv.kv_allocated_len))
+        self.hot.close(idx)
+        self.mirror.forget(idx)
+        self.stats.note_activity()
+
+    def _leave_staging(self, req) -> None:
+        """A staged request leaves: wait for its copy, free its prefill rows and host rows."""
+        self.mirror.drop_staged(req)
+        self.allocator.free_prefill_rows(self.logical_ids(req, req.extend_range.end))
+        self.mirror.forget(req.req_pool_idx)
+        self.stats.note_activity()
+
+
+def agreed_count(count: int, group) -> int:
+    """The smallest ``count`` over the ranks of ``group`` (all ranks must admit the same requests)."""
+    if torch.distributed.get_world_size(group=group) == 1:
+        return count
+    value = torch.tensor(count, dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group)
+    return int(value)
