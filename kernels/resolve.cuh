@@ -341,7 +341,7 @@ __device__ __forceinline__ void count_error(uint32_t* state) {
   atomicAdd(state + kStateErrors, 1u);
 }
 
-// Diagnostic build only (-DHISPARSE_STAGE_CLOCK, scripts/bench_resolve.py --stage-clock): thread 0
+// Diagnostic build only (-DHISPARSE_STAGE_CLOCK, scripts/research/bench_resolve.py --stage-clock): thread 0
 // of CTA 0 stamps stage boundaries into workspace state words [kStateClock, kStateClock + 26) as
 // uint64: 0-8 clock64() at kernel entry and after each planner stage, 9 / 11 globaltimer at the
 // planner's start / end, 10 / 12 globaltimer when copier 0 acquired the plan / finished copying.

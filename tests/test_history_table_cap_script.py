@@ -15,7 +15,7 @@ from test_policy_replay_script import _doc
 from sglang_hisparse_analysis.policies import ReuseTable
 from sglang_hisparse_analysis.simulator import simulate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "traces" / "history_table_cap.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "traces" / "history_table_cap.py"
 
 
 def _load_script():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_policy_replay.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "bench_policy_replay.py"
 
 
 def _load_script():

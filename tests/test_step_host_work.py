@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "research"))
 
 import bench_step_host  # noqa: E402
 from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS  # noqa: E402

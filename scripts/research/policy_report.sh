@@ -7,9 +7,9 @@
 #   ~/.cache/sglang-hisparse/traces-venv-<hash>   (override with HISPARSE_TRACES_VENV)
 # Extra arguments are passed to scripts/research/traces/generate.py (e.g. --docs 4 for a quick run).
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-req="$repo/scripts/traces/requirements.txt"
-req_nodeps="$repo/scripts/traces/requirements-nodeps.txt"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+req="$repo/scripts/research/traces/requirements.txt"
+req_nodeps="$repo/scripts/research/traces/requirements-nodeps.txt"
 hash="$(cat "$req" "$req_nodeps" | sha256sum | cut -c1-12)"
 venv="${HISPARSE_TRACES_VENV:-$HOME/.cache/sglang-hisparse/traces-venv-$hash}"
 if [ ! -f "$venv/.complete" ]; then
