@@ -5,17 +5,22 @@ Checked against: SGLang 0.5.17 (called from ``arg_groups/overrides.py:_hisparse_
 with a resolved view of the server arguments, before any process or GPU work starts).
 
 Parses the typed config (so a bad key fails here, in the launcher, with one line), checks the
-server settings HiSparse needs, chooses the resolver for the GPU (refusing a GPU the kernel does
-not run on unless ``resolver=reference``) and, for the kernel, the largest hot buffer its shared
-memory holds. Does nothing when HiSparse is disabled.
+server settings HiSparse needs and the hot buffer against ``--max-total-tokens`` when given,
+chooses the resolver for the GPU (refusing a GPU the kernel does not run on unless
+``resolver=reference``) and, for the kernel, the largest hot buffer its shared memory holds.
+Does nothing when HiSparse is disabled. As the ``sglang.launch_server`` command a refusal is one
+line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
-from sglang_hisparse.config import config_from_server_args
+from sglang_hisparse.config import HiSparseConfigError, config_from_server_args
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.admission import Capacity, check_startup
 from sglang_hisparse.resolver.dispatch import choose_resolver, platform_of
 from sglang_hisparse.serving.server_checks import (
     ServerSettings,
@@ -67,16 +72,56 @@ def kv_device(server_args: Any) -> str:
 
 
 def validate_hisparse(server_args: Any) -> None:
-    """REPLACE body. Raises ``HiSparseConfigError`` (a ValueError) with a one-line message."""
+    """REPLACE body. Refuses what HiSparse cannot serve with a one-line reason: as the
+    ``sglang.launch_server`` command, that line on stderr and exit status 2 (no traceback, before
+    any weights load); called from Python (``sglang.Engine``), ``HiSparseConfigError``."""
     if not server_args.enable_hisparse:
         return
+    try:
+        check_hisparse(server_args)
+    except (HiSparseConfigError, HiSparsePluginError) as error:
+        if not launched_as_server_command():
+            raise
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def launched_as_server_command() -> bool:
+    """This process is ``python -m sglang.launch_server`` (the command a refusal may end)."""
+    main = sys.modules.get("__main__")
+    return getattr(main, "__spec__", None) is not None and main.__spec__.name == "sglang.launch_server"
+
+
+def check_hisparse(server_args: Any) -> None:
+    """Every launcher check; raises ``HiSparseConfigError`` or ``HiSparsePluginError`` (one line)."""
     config = config_from_server_args(server_args)
     check_server_settings(read_settings(server_args))
     check_speculative_config(config)
+    check_pool_bound(config, server_args)
     resolver = choose_resolver(config.resolver, platform_of(kv_device(server_args)))
     if resolver == "cuda":
         check_kernel_buffer_size(config)
     logger.info("sglang-hisparse: HiSparse config %s, resolver %s", config.to_json_dict(), resolver)
+
+
+def check_pool_bound(config: Any, server_args: Any) -> None:
+    """With ``--max-total-tokens`` the device KV pool has at most that many rows (whole pages):
+    refuse a hot buffer that leaves no page for a prefill beside it here, as the coordinator would
+    once the pool is sized (after the weights load)."""
+    max_total_tokens = getattr(server_args, "max_total_tokens", None)
+    if not max_total_tokens:
+        return
+    page = int(getattr(server_args, "page_size", None) or 1)
+    rows = int(max_total_tokens) // page * page
+    padded = -(-(config.device_buffer_size + config.query_rows) // page) * page
+    try:
+        check_startup(Capacity(device_rows=rows, hot_buffer_rows=padded, page_size=page,
+                               logical_ids=rows * config.host_to_device_ratio,
+                               host_rows=rows * config.host_to_device_ratio,
+                               device_buffer_size=config.device_buffer_size))
+    except HiSparsePluginError as error:
+        raise HiSparsePluginError(
+            f"{error}; here --max-total-tokens {max_total_tokens} bounds the device pool") from None
 
 
 def register(registry: Any) -> None:

@@ -1,6 +1,7 @@
 """Typed HiSparse configuration, parsed once from ``--hisparse-config``.
 
-SGLang carries ``--hisparse-config`` as a JSON string. Upstream parses it loosely (unknown keys
+SGLang carries ``--hisparse-config`` as a string: inline JSON or, with this plugin, the path of
+a JSON file. Upstream parses it loosely (unknown keys
 are kept silently, types are barely checked, ``swap_in_block_size=256`` crashes the kernel). We
 parse it into one frozen :class:`HiSparseConfig` and refuse bad input with a one-line message
 that names the key, the value and what is allowed.
@@ -15,6 +16,7 @@ import functools
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,8 @@ def parse_hisparse_config(
     """Parse and validate ``--hisparse-config``.
 
     Args:
-        raw_json: the JSON object string from the command line, or None (all defaults).
+        raw_json: the value of ``--hisparse-config``: a JSON object, the path of a file holding
+            one, or None (all defaults).
         model_index_topk: the model's ``index_topk``; when given it is the effective top_k
             (as upstream), whatever the ``top_k`` key says.
         query_rows: query rows per request in a decode step (:attr:`HiSparseConfig.query_rows`).
@@ -165,23 +168,19 @@ def parse_hisparse_config(
 
 @functools.lru_cache(maxsize=16)
 def _load_object(raw_json: Optional[str]) -> dict[str, Any]:
-    """The JSON object of ``--hisparse-config`` (empty when not given); raises on bad JSON, a
-    non-object or an unknown key."""
+    """The JSON object of ``--hisparse-config`` (empty when not given): inline JSON when the value
+    starts with ``{`` or ``[``, else the path of a JSON file (logged once per process). Raises on a
+    missing file, bad JSON, a non-object or an unknown key."""
     if raw_json is None or raw_json.strip() == "":
-        raw: dict[str, Any] = {}
+        raw: Any = {}
+    elif raw_json.lstrip()[:1] in ("{", "["):
+        raw = _decode(raw_json, source="")
     else:
-        try:
-            raw = json.loads(raw_json)
-        except json.JSONDecodeError as e:
-            raise HiSparseConfigError(
-                f"--hisparse-config: not valid JSON ({e.msg} at line {e.lineno} "
-                f"column {e.colno}); expected an object such as "
-                '\'{"device_buffer_size": 4096, "host_to_device_ratio": 2}\''
-            ) from None
-        if not isinstance(raw, dict):
-            raise HiSparseConfigError(
-                f"--hisparse-config: expected a JSON object, got {json.dumps(raw)}"
-            )
+        raw = _decode(_read_config_file(raw_json), source=f" (file {raw_json})")
+    if not isinstance(raw, dict):
+        raise HiSparseConfigError(
+            f"--hisparse-config: expected a JSON object, got {json.dumps(raw)}"
+        )
 
     unknown = sorted(set(raw) - set(KNOWN_KEYS))
     if unknown:
@@ -190,6 +189,32 @@ def _load_object(raw_json: Optional[str]) -> dict[str, Any]:
             f"known keys: {', '.join(KNOWN_KEYS)}"
         )
     return raw
+
+
+def _read_config_file(path: str) -> str:
+    """The text of the config file ``path``; one-line errors for what cannot be read."""
+    try:
+        text = Path(path).expanduser().read_text()
+    except FileNotFoundError:
+        raise HiSparseConfigError(
+            f"--hisparse-config: {path!r} is neither inline JSON (which starts with '{{') nor an "
+            "existing file; pass e.g. '{\"device_buffer_size\": 4096}' or the path of a JSON file"
+        ) from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
+        raise HiSparseConfigError(f"--hisparse-config: cannot read {path!r}: {type(e).__name__}") from None
+    logger.info("sglang-hisparse: --hisparse-config read from %s", Path(path).expanduser().resolve())
+    return text
+
+
+def _decode(text: str, source: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HiSparseConfigError(
+            f"--hisparse-config{source}: not valid JSON ({e.msg} at line {e.lineno} "
+            f"column {e.colno}); expected an object such as "
+            '\'{"device_buffer_size": 4096, "host_to_device_ratio": 2}\''
+        ) from None
 
 
 def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], query_rows: int) -> HiSparseConfig:

@@ -127,6 +127,42 @@ def test_bad_input_gets_a_one_line_message_naming_the_key(raw, fragment):
     assert message.startswith("--hisparse-config: ")
 
 
+def test_a_path_reads_the_json_file_it_names_and_says_so(tmp_path, caplog):
+    path = tmp_path / "hisparse.json"
+    path.write_text('{\n  "device_buffer_size": 200,\n  "residency": false\n}\n')
+    with caplog.at_level("INFO", logger="sglang_hisparse.config"):
+        cfg = parse_hisparse_config(str(path), model_index_topk=64)
+    assert (cfg.device_buffer_size, cfg.residency) == (200, False)
+    assert f"--hisparse-config read from {path}" in caplog.text
+    assert cfg == parse_hisparse_config('{"device_buffer_size": 200, "residency": false}', model_index_topk=64)
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (None, "is neither inline JSON (which starts with '{{') nor an existing file"),
+        ("{not json", "(file {path}): not valid JSON (Expecting property name enclosed in double quotes at line 1"),
+        ('{"device_buffer_size": 7}', "invalid device_buffer_size=7: must be in [top_k=64, 32767]"),
+        ('{"bogus": 1}', "unknown key(s) bogus"),
+        ("[]", "expected a JSON object, got []"),
+    ],
+)
+def test_a_bad_config_file_gets_a_one_line_message(tmp_path, content, fragment):
+    path = tmp_path / "hisparse.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(HiSparseConfigError) as info:
+        parse_hisparse_config(str(path), model_index_topk=64)
+    message = str(info.value)
+    assert fragment.format(path=path) in message and "\n" not in message, message
+    assert message.startswith("--hisparse-config")
+
+
+def test_a_directory_is_not_a_config_file(tmp_path):
+    with pytest.raises(HiSparseConfigError, match=f"cannot read '{tmp_path}': IsADirectoryError"):
+        parse_hisparse_config(str(tmp_path), model_index_topk=64)
+
+
 @given(
     top_k=st.integers(1, 16383),
     extra=st.integers(0, 16384),

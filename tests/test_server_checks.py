@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
 from sglang_hisparse.config import HiSparseConfigError
+from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.serving.server_checks import ServerSettings, check_server_settings
 
 GOOD = ServerSettings(
@@ -210,3 +213,57 @@ def test_the_default_hot_buffer_with_speculation_is_n_plus_one_times_top_k():
     assert config_from_server_args(_launcher_view("{}")).device_buffer_size == 2 * 2048
     config = config_from_server_args(_launcher_view("{}", **SPEC_ARGS))
     assert (config.query_rows, config.device_buffer_size) == (4, 5 * 2048)
+
+
+def test_a_refusal_from_python_raises_and_the_pool_bound_is_checked():
+    """Called from Python (not the launch command) a refusal raises; with --max-total-tokens the
+    hot buffer must leave a page of the pool for a prefill."""
+    from sglang_hisparse.patches import validation
+
+    view = _launcher_view('{"device_buffer_size": 4040}', max_total_tokens=4100, page_size=64, device="cpu")
+    with pytest.raises(HiSparsePluginError, match=r"invalid device_buffer_size=4040: one decoding request holds "
+                                                  r"4096 device rows .* the device KV pool has 4096 rows; use "
+                                                  r"device_buffer_size <= 4031, .*; here --max-total-tokens 4100 bounds"):
+        validation.validate_hisparse(view)
+    validation.validate_hisparse(_launcher_view('{"device_buffer_size": 4031}', max_total_tokens=4100,
+                                                page_size=64, device="cpu"))
+    validation.validate_hisparse(_launcher_view('{"device_buffer_size": 4040}', max_total_tokens=None,
+                                                page_size=64, device="cpu"))
+
+
+REFUSALS = {
+    "unknown key": (['--hisparse-config', '{"device_bufer_size": 128}'], "error: --hisparse-config: unknown key(s) device_bufer_size"),
+    "missing file": (['--hisparse-config', 'no/such/hisparse.json'], "error: --hisparse-config: 'no/such/hisparse.json' is neither inline JSON"),
+    "radix cache on": (['--hisparse-config', '{}', '--no-disable-radix-cache'], "error: --enable-hisparse requires --disable-radix-cache"),
+    "hot buffer above the pool": (['--hisparse-config', '{"device_buffer_size": 4040}', '--max-total-tokens', '4096'],
+                                  "error: sglang-hisparse: invalid device_buffer_size=4040"),
+}
+
+
+@pytest.mark.slow
+def test_the_launch_command_refuses_in_one_line_without_a_traceback(tmp_path):
+    """``python -m sglang.launch_server`` with a bad HiSparse setting: exit status 2, the reason in
+    one ``error:`` line on stderr, no traceback, before any weights load (the tiny model's dummy weights
+    would log 'Load weight')."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sglang_hisparse.serving.launcher import MODELS_DIR, server_env
+
+    def launch(extra):
+        args = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(MODELS_DIR / "tiny-dsa-cpu"),
+                "--load-format", "dummy", "--skip-tokenizer-init", "--device", "cpu", "--page-size", "64",
+                "--enable-hisparse", *extra]
+        if "--no-disable-radix-cache" in args:
+            args.remove("--no-disable-radix-cache")
+        else:
+            args.append("--disable-radix-cache")
+        return subprocess.run(args, capture_output=True, text=True, env=server_env(cpu=True), cwd=tmp_path, timeout=120)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(REFUSALS, pool.map(launch, [extra for extra, _ in REFUSALS.values()])))
+    for name, (_, expected) in REFUSALS.items():
+        result = results[name]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2, (name, result.returncode, result.stderr[-2000:])
+        assert len(errors) == 1 and errors[0].startswith(expected), (name, errors)
+        assert "Traceback" not in result.stderr + result.stdout and "Load weight" not in result.stderr, name
