@@ -3,12 +3,12 @@
 // decode_ids: each request's new token id for a one-token decode step. A request whose previous
 //   id last_loc[b] ends its page (its new position starts one) gets the first id of the next free
 //   page, in batch order: the r-th such request takes free_pages[r]; every other request gets
-//   last_loc[b] + 1. Exactly sglang_hisparse/paging.py's PageAllocator.decode (its torch twin and
+//   last_loc[b] + 1. Exactly sglang_hisparse/memory/paging.py's PageAllocator.decode (its torch twin and
 //   oracle); one CTA, a block-wide exclusive scan of the page-start flags per chunk of the batch.
 //   A page start whose rank is past free_pages gets -1 (the host passes exactly as many pages as
 //   it counted page starts, so that never happens in a server; the tests check it).
 // map_pages: a resident step's new pages: logical_to_device[logical_pages[i] * page] =
-//   row_pages[i] * page and page_resident[logical_pages[i]] = 1 for every i (pressure.py's
+//   row_pages[i] * page and page_resident[logical_pages[i]] = 1 for every i (decode/pressure.py's
 //   ResidentDecode.resident_step; torch twin: paging.map_new_pages_torch).
 
 #pragma once

@@ -35,7 +35,7 @@ class LogicalMap:
                                          device=device)
         """Per logical page, 1 while it belongs to a resident request (its ids map to one page of
         rows, offset for offset): the device pool maps such a page's new ids inside the forward
-        (``HiSparseDevicePool.map_resident_writes``). Set by ``Residency``; cleared by ``Residency``
+        (``HiSparseDevicePool.map_resident_writes``). Set by ``Residency`` and ``ResidentDecode``; cleared by ``Residency``
         at demotion and by :meth:`forget` for the pages of freed ids (a finishing resident
         request's marks stay until SGLang frees its ids, which always follows)."""
 

@@ -111,7 +111,7 @@ def resolve_layer(
 class Resolver:
     """A named resolve function with a start-up hook (JIT build before CUDA-graph capture).
 
-    The coordinator holds one and binds each layer's resolver from it (:meth:`bind`).
+    The coordinator's ``LayerResolve`` holds one and binds each layer's resolver from it (:meth:`bind`).
     """
 
     def __init__(self, name: str, warmup, replay, bind):
