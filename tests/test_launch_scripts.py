@@ -1,11 +1,13 @@
 """The launch scripts (scripts/launch/): their commands for an 8 x H200 host, and the same scripts
-run at tiny scale on CPU so they cannot rot: the colocated server and a PD decode instance (fake
-transfer backend) serve requests; the router pairs prefill and decode; --plan prints the plan."""
+run at tiny scale on CPU so they cannot rot: the README's CPU launch command (the colocated script
+with its CPU defaults) answers the README's request, a PD decode instance (fake transfer backend)
+serves requests; the router pairs prefill and decode; --plan prints the plan."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -20,7 +22,8 @@ import pytest
 from serving import QUIET, settle, stop_soon
 from sglang_hisparse.serving.launcher import MODELS_DIR, free_port, post_json, run_server, server_env, wait_for_idle_report
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "launch"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts" / "launch"
 TINY = {"MODEL": str(MODELS_DIR / "tiny-dsa-cpu"), "DEVICE": "cpu", "TP": "1", "DP": "1", "DP_ATTENTION": "0",
         "HOST": "127.0.0.1", "MEM_FRACTION_STATIC": "0.5", "DEVICE_BUFFER_SIZE": "128", "HOST_TO_DEVICE_RATIO": "2",
         "EXTRA_ARGS": "--load-format dummy --skip-tokenizer-init --max-total-tokens 16384 --random-seed 0 "
@@ -113,12 +116,44 @@ def _run_script(script: str, tmp_path: Path, **extra: str):
     return server
 
 
+def readme_cpu_launch() -> tuple[str, dict]:
+    """The README's CPU launch command (its colocated.sh line) and the body of its curl request."""
+    section = (ROOT / "README.md").read_text().split("On a CPU-only machine", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    launch = next(line for line in block.splitlines() if "scripts/launch/colocated.sh" in line).split("#")[0].strip()
+    body = json.loads(re.search(r"-d '(\{.*\})'", block).group(1))
+    return launch, body
+
+
+def _run_readme_launch(tmp_path: Path):
+    """The README's command as a user types it in the checkout, with the project's Python first on
+    PATH (an activated venv) and a free PORT (a variable the script documents)."""
+    launch, _ = readme_cpu_launch()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "PYTHONPATH"))}
+    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", PORT=str(port))
+    server = run_server(["bash", "-c", f"cd {shlex.quote(str(ROOT))} && {launch}"], port=port, env=env,
+                        log_dir=tmp_path, name="readme_cpu_launch", ready_timeout=300)
+    settle(server)
+    return server
+
+
+def test_the_readme_cpu_launch_is_the_colocated_script_on_the_shipped_model():
+    launch, body = readme_cpu_launch()
+    assert launch == "DEVICE=cpu bash scripts/launch/colocated.sh"
+    assert body["input_ids"] and body["sampling_params"]["max_new_tokens"] == 8
+    command = dry_run("colocated.sh", DEVICE="cpu")
+    assert command[command.index("--model-path") + 1] == str(MODELS_DIR / "tiny-dsa-cpu")
+    assert "--enable-hisparse" in command and "--load-format" in command
+
+
 @pytest.fixture(scope="module")
 def script_servers(tmp_path_factory):
-    """colocated.sh and pd_decode.sh (fake transfer backend) at tiny scale, started side by side."""
+    """The README's CPU launch (colocated.sh) and pd_decode.sh (fake transfer backend) at tiny
+    scale, started side by side."""
     logs = tmp_path_factory.mktemp("launch_scripts")
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {"colocated": pool.submit(_run_script, "colocated.sh", logs),
+        futures = {"colocated": pool.submit(_run_readme_launch, logs),
                    "pd_decode": pool.submit(_run_script, "pd_decode.sh", logs, TRANSFER_BACKEND="fake")}
     started = {name: f.result() for name, f in futures.items() if f.exception() is None}
     try:
@@ -131,9 +166,12 @@ def script_servers(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_the_colocated_script_serves_at_tiny_scale(script_servers):
+def test_the_readme_cpu_launch_answers_the_readme_request(script_servers):
     server = script_servers["colocated"]
     before = settle(server)
+    _, body = readme_cpu_launch()
+    answer = post_json(f"{server.url}/generate", body, 300)
+    assert 1 <= len(answer["output_ids"]) <= 8 and answer["meta_info"]["finish_reason"]["type"] in ("length", "stop")
     out = server.generate([[5 + i % 1000 for i in range(600)]], 8)
     assert len(out[0]["output_ids"]) == 8
     report = wait_for_idle_report(server, after=before)
