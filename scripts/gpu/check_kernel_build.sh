@@ -2,9 +2,9 @@
 # Compile kernels/resolve.cuh for sm_90a without a GPU, the way the JIT does (same flags and
 # wrappers), and print ptxas' register / stack / spill report per kernel. Needs nvcc and the
 # Python environment with SGLang and tvm-ffi (for their headers).
-#   usage: scripts/check_kernel_build.sh [python]     (default: python3)
+#   usage: scripts/gpu/check_kernel_build.sh [python]     (default: python3)
 set -euo pipefail
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${1:-python3}
 INC=$($PY - <<'EOF'
 import importlib.util, pathlib, tvm_ffi.libinfo as l
