@@ -131,6 +131,24 @@ def test_aborts_mid_decode_leave_every_pool_at_its_initial_free_count(servers):
         assert now == initial, (name, now, initial)
 
 
+@pytest.mark.full
+def test_the_reuse_replacement_policy_keeps_outputs_identical(logs, baseline_outputs):
+    """replacement "reuse" (the history-only reuse table, reference resolver on CPU): the policy
+    is announced, outputs are identical to the server without HiSparse, and the resolver really
+    missed (rows came from host). Before the pressure and fault servers start (six CPU servers at
+    once exhaust a 24 GiB machine's host memory)."""
+    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse", "residency": false}}'
+    server = start(**spec("hisparse_reuse", config), log_dir=logs)
+    try:
+        outputs, report = generate_and_report(server)
+    finally:
+        stop_soon(server)
+    assert "replacement policy reuse (history table: attention k=256 B=512)" in server.log()
+    assert outputs == baseline_outputs
+    assert not report["leak"], report
+    assert report["misses"] > 0 and report["selected"] > report["misses"], report
+
+
 def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(pressure_and_fault, baseline_outputs):
     """Residency on, with a watermark (22% of the device pool) that every request clears at
     admission but that decode growth crosses: all requests start resident, the longest are
@@ -153,20 +171,3 @@ def test_a_broken_resolver_is_detected(pressure_and_fault, baseline_outputs):
     outputs = [o["output_ids"] for o in broken.generate(prompts(), NEW_TOKENS)]
     assert "test fault wrong_row is ON" in broken.log()
     assert sum(a != b for a, b in zip(outputs, baseline_outputs)) >= len(CONTEXTS) // 2
-
-
-@pytest.mark.full
-def test_the_reuse_replacement_policy_keeps_outputs_identical(logs, baseline_outputs):
-    """replacement "reuse" (the history-only reuse table, reference resolver on CPU): the policy
-    is announced, outputs are identical to the server without HiSparse, and the resolver really
-    missed (rows came from host)."""
-    config = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "replacement": "reuse", "residency": false}}'
-    server = start(**spec("hisparse_reuse", config), log_dir=logs)
-    try:
-        outputs, report = generate_and_report(server)
-    finally:
-        stop_soon(server)
-    assert "replacement policy reuse (history table: attention k=256 B=512)" in server.log()
-    assert outputs == baseline_outputs
-    assert not report["leak"], report
-    assert report["misses"] > 0 and report["selected"] > report["misses"], report

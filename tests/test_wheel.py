@@ -31,8 +31,14 @@ def test_wheel_ships_kernels_and_patches(tmp_path):
         rel = module.relative_to(ROOT).as_posix()
         assert rel in names, rel
     assert "sglang_hisparse/resolver/reuse_history_table.json" in names  # replacement: "reuse"
-    # Nothing lands at the top level of site-packages except our package and its metadata.
-    assert {n.split("/")[0] for n in names} <= {"sglang_hisparse", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}
+    assert "sglang_hisparse/models/tiny-dsa-cpu/config.json" in names  # the README's CPU launch
+    for package in ("sglang_hisparse_testkit", "sglang_hisparse_analysis"):  # the GPU machine's tests use them
+        for module in sorted((ROOT / package).glob("*.py")):
+            assert module.relative_to(ROOT).as_posix() in names
+    # Nothing lands at the top level of site-packages except our three packages and their metadata.
+    dist_info = wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"
+    assert {n.split("/")[0] for n in names} == {"sglang_hisparse", "sglang_hisparse_testkit",
+                                                "sglang_hisparse_analysis", dist_info}
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[sglang.srt.plugins]" in text
