@@ -20,7 +20,7 @@ from typing import Any
 
 from sglang_hisparse.config import HiSparseConfigError, config_from_server_args
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.memory.admission import Capacity, check_startup
+from sglang_hisparse.memory.admission import Capacity, check_startup, hot_buffer_rows
 from sglang_hisparse.resolver.dispatch import choose_resolver, platform_of
 from sglang_hisparse.serving.server_checks import (
     ServerSettings,
@@ -113,7 +113,7 @@ def check_pool_bound(config: Any, server_args: Any) -> None:
         return
     page = int(getattr(server_args, "page_size", None) or 1)
     rows = int(max_total_tokens) // page * page
-    padded = -(-(config.device_buffer_size + config.query_rows) // page) * page
+    padded = hot_buffer_rows(config.device_buffer_size, config.query_rows, page)
     try:
         check_startup(Capacity(device_rows=rows, hot_buffer_rows=padded, page_size=page,
                                logical_ids=rows * config.host_to_device_ratio,

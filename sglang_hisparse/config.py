@@ -193,8 +193,9 @@ def _load_object(raw_json: Optional[str]) -> dict[str, Any]:
 
 def _read_config_file(path: str) -> str:
     """The text of the config file ``path``; one-line errors for what cannot be read."""
+    resolved = Path(path).expanduser()
     try:
-        text = Path(path).expanduser().read_text()
+        text = resolved.read_text()
     except FileNotFoundError:
         raise HiSparseConfigError(
             f"--hisparse-config: {path!r} is neither inline JSON (which starts with '{{') nor an "
@@ -202,7 +203,7 @@ def _read_config_file(path: str) -> str:
         ) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
         raise HiSparseConfigError(f"--hisparse-config: cannot read {path!r}: {type(e).__name__}") from None
-    logger.info("sglang-hisparse: --hisparse-config read from %s", Path(path).expanduser().resolve())
+    logger.info("sglang-hisparse: --hisparse-config read from %s", resolved.resolve())
     return text
 
 

@@ -17,6 +17,12 @@ from typing import Optional
 from sglang_hisparse.errors import HiSparsePluginError
 
 
+def hot_buffer_rows(buffer_size: int, window: int, page: int) -> int:
+    """Device rows one hot buffer holds: B slots plus the ``window`` newest positions, in whole
+    pages (``padded``)."""
+    return -(-(buffer_size + window) // page) * page
+
+
 @dataclass(frozen=True)
 class Capacity:
     """The sizes that bound admission on an idle server (tokens = rows)."""

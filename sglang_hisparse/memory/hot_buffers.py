@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.admission import hot_buffer_rows
 
 
 class HotBuffers:
@@ -58,7 +59,7 @@ class HotBuffers:
         self.buffer_size = B = buffer_size
         self.window = window
         self.page_size = page
-        self.padded = -(-(B + window) // page) * page
+        self.padded = hot_buffer_rows(B, window, page)
         self.slot_rows = torch.zeros((max_reqs, self.padded), dtype=torch.int32, device=device)
         self.capacity = [0] * max_reqs
         self.slot_positions = torch.full((layers, max_reqs, B), -1, dtype=torch.int32, device=device)

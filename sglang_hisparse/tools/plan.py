@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sglang_hisparse.memory.admission import Capacity, capacity_line
+from sglang_hisparse.memory.admission import Capacity, capacity_line, hot_buffer_rows
 
 GIB = 1 << 30
 PAGE_SIZE = 64
@@ -124,7 +124,7 @@ def make_plan(dims: ModelDims, *, tp: int, dp: int, dp_attention: bool, gpu_mem_
     pages = lambda tokens: int(tokens) // PAGE_SIZE * PAGE_SIZE  # noqa: E731
     without = pages(budget / (dims.layers * (kv_row + index_row)))
     device_rows = pages(budget / (dims.layers * (kv_row + ratio * index_row)))
-    padded = -(-(device_buffer_size + 1) // PAGE_SIZE) * PAGE_SIZE
+    padded = hot_buffer_rows(device_buffer_size, 1, PAGE_SIZE)
     held_rows = min(padded, pages(context + PAGE_SIZE - 1))  # a request shorter than a hot buffer holds its own rows
     capacity = Capacity(device_rows=device_rows, hot_buffer_rows=padded, page_size=PAGE_SIZE,
                         logical_ids=ratio * device_rows, host_rows=ratio * device_rows,
