@@ -90,6 +90,55 @@ inline constexpr int kStateWords = 128;
 
 inline constexpr size_t kMaxSmemBytes = 227 * 1024;  // Hopper opt-in limit per block
 
+// ------------------------------------------------------------------------------------------------
+// Row layouts: where a row's bytes are in a KV buffer (the copies and the residency lookup).
+// The torch twin is sglang_hisparse/resolver/c4_rows.py.
+// ------------------------------------------------------------------------------------------------
+
+// Linear rows (DSA): row g is kItemBytes bytes at g * kItemBytes, copied as kItemBytes / 16 chunks
+// of 16 bytes; a position is a token. A buffer's leading dimension indexes rows.
+template <int kItemBytes>
+struct RowLayout {
+  static_assert(kItemBytes % 16 == 0, "linear rows are copied in 16-byte chunks");
+  static constexpr uint32_t kChunks = kItemBytes / 16;
+  static constexpr int kRatioShift = 0;  // log2(tokens per position)
+  static constexpr int64_t kRowsPerUnit = 1;  // rows per index of the buffer's leading dimension
+  static constexpr int64_t kUnitBytes = kItemBytes;
+  static __device__ __forceinline__ int64_t chunk_offset(int64_t row, uint32_t col) {
+    return row * kItemBytes + static_cast<int64_t>(col) * 16;
+  }
+  static __device__ __forceinline__ constexpr bool is_short_chunk(uint32_t) {
+    return false;
+  }
+};
+
+// DeepSeek-V4's C4 attention KV (584-byte rows: this item size selects the layout), in FlashMLA's
+// paged layout as SGLang 0.5.17 allocates it: 64 entries per 37440-byte page; entry e's 576 value
+// bytes (fp8 nope + bf16 rope) at page(e) + (e % 64) * 576, its 8 scale bytes at
+// page(e) + 36864 + (e % 64) * 8; the page's last 64 bytes are padding (never touched). Copied as
+// 36 chunks of 16 bytes and one of 8. A position is a compressed entry of 4 tokens, whose logical
+// id is that of the token completing it, divided by 4. A buffer's leading dimension indexes pages.
+inline constexpr int kC4ItemBytes = 584;
+template <>
+struct RowLayout<kC4ItemBytes> {
+  static constexpr int kPageEntries = 64;
+  static constexpr int64_t kValueBytes = 576;
+  static constexpr int64_t kScaleOffset = kPageEntries * kValueBytes;  // 36864
+  static constexpr uint32_t kChunks = kValueBytes / 16 + 1;  // 36 value chunks, then the scale chunk
+  static constexpr int kRatioShift = 2;
+  static constexpr int64_t kRowsPerUnit = kPageEntries;
+  static constexpr int64_t kUnitBytes = 37440;
+  static __device__ __forceinline__ int64_t chunk_offset(int64_t row, uint32_t col) {
+    const int64_t page = (row >> 6) * kUnitBytes;
+    const int64_t entry = row & (kPageEntries - 1);
+    return col < kChunks - 1 ? page + entry * kValueBytes + static_cast<int64_t>(col) * 16
+                             : page + kScaleOffset + entry * 8;
+  }
+  static __device__ __forceinline__ constexpr bool is_short_chunk(uint32_t col) {
+    return col == kChunks - 1;
+  }
+};
+
 constexpr int next_pow2(int x) {
   int p = 1;
   while (p < x) p <<= 1;
@@ -308,6 +357,15 @@ __device__ __forceinline__ void st_v4(void* p, const uint4& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w));
 }
+// The 8-byte pair of the above (the scale chunk of a DeepSeek-V4 C4 row).
+__device__ __forceinline__ uint2 ld_nc_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_v2(void* p, const uint2& v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};\n" ::"l"(p), "r"(v.x), "r"(v.y));
+}
 
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v;
@@ -465,8 +523,8 @@ __device__ __forceinline__ void copy_rows(
     uint8_t* __restrict__ device_kv,
     int64_t device_rows,
     uint32_t* state) {
-  static_assert(kItemBytes % 16 == 0, "rows are copied in 16-byte chunks");
-  constexpr uint32_t kChunks = kItemBytes / 16;
+  using Layout = RowLayout<kItemBytes>;
+  constexpr uint32_t kChunks = Layout::kChunks;
   for (uint32_t base = first; base < end; base += stride * kCopyUnroll) {
     int64_t src[kCopyUnroll];
     int64_t dst[kCopyUnroll];
@@ -490,11 +548,24 @@ __device__ __forceinline__ void copy_rows(
     uint4 v[kCopyUnroll];
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      if (src[u] >= 0) v[u] = ld_nc_v4(host_kv + src[u] * kItemBytes + col[u] * 16);
+      if (src[u] < 0) continue;
+      const uint8_t* from = host_kv + Layout::chunk_offset(src[u], col[u]);
+      if (Layout::is_short_chunk(col[u])) {
+        const uint2 h = ld_nc_v2(from);
+        v[u] = make_uint4(h.x, h.y, 0u, 0u);
+      } else {
+        v[u] = ld_nc_v4(from);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kCopyUnroll; ++u) {
-      if (src[u] >= 0) st_v4(device_kv + dst[u] * kItemBytes + col[u] * 16, v[u]);
+      if (src[u] < 0) continue;
+      uint8_t* to = device_kv + Layout::chunk_offset(dst[u], col[u]);
+      if (Layout::is_short_chunk(col[u])) {
+        st_v2(to, make_uint2(v[u].x, v[u].y));
+      } else {
+        st_v4(to, v[u]);
+      }
     }
   }
 }
@@ -533,32 +604,34 @@ __device__ __forceinline__ void finish_planner(const ResolveParams& p, bool copi
       if (threadIdx.x == 0) red_release_gpu_add(p.state + kStatePlanned, 1u);
     } else if (misses > 0) {
       copy_rows<kItemBytes>(
-          FlatRows{p.flat_host + base, p.flat_dev + base}, threadIdx.x, misses * (kItemBytes / 16), blockDim.x,
+          FlatRows{p.flat_host + base, p.flat_dev + base}, threadIdx.x, misses * RowLayout<kItemBytes>::kChunks, blockDim.x,
           p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
     }
   }
 }
 
-// Resident request (whole KV on the device): out[j] = logical_to_device[req_to_token[r, q]] for
-// every selected q, -1 for padding. Reads only the top-k row (staged in smem by S0; this waits for
+// Resident request (whole KV on the device): out[j] = logical_to_device[req_to_token[r, c] >> s] for
+// every selected q, -1 for padding (c = q, s = 0; C4 entries of 4 tokens: c = 4q + 3, the token
+// completing the entry, s = 2: RowLayout::kRatioShift). Reads only the top-k row (staged in smem by S0; this waits for
 // it) and the request's req_to_token entries; copies nothing, leaves slot tokens, LRU, the miss
 // list and the counters alone, and records a plan count of 0. A position >= seq_len or beyond
 // req_to_token's columns, or a logical id outside logical_to_device, writes -1 and counts an error.
 // Called by every thread of the CTA (it contains a barrier).
-template <int kTopK>
+template <int kItemBytes, int kTopK>
 __device__ __forceinline__ void resolve_resident(
     const ResolveParams& p, const int i, const int64_t r, const int64_t L, const int32_t* s_topk, int32_t* out_row) {
   const int tid = threadIdx.x;
   const int nt = blockDim.x;
   cp_async_wait_all();
   __syncthreads();
+  constexpr int kShift = RowLayout<kItemBytes>::kRatioShift;
   const int32_t* rtt_row = p.req_to_token + r * p.rtt_stride;
-  const int64_t end = L < p.rtt_cols ? L : p.rtt_cols;  // valid positions: 0 <= q < end
   for (int j = tid; j < kTopK; j += nt) {
     const int32_t q = s_topk[j];
     int32_t o = -1;
     if (q >= 0) {
-      const int64_t id = static_cast<int64_t>(q) < end ? static_cast<int64_t>(rtt_row[q]) : -1;
+      const int64_t c = (static_cast<int64_t>(q) << kShift) + ((1 << kShift) - 1);  // valid: q < L, c < cols
+      const int64_t id = static_cast<int64_t>(q) < L && c < p.rtt_cols ? static_cast<int64_t>(rtt_row[c]) >> kShift : -1;
       if (id >= 0 && id < p.logical_rows) {
         o = static_cast<int32_t>(p.logical_to_device[id]);
       } else {
@@ -1237,7 +1310,7 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
   }
   // ---- Resident request: its own device rows; no IO, no table change (before the fast path). ----
   if (p.resident != nullptr && p.resident[r] != 0) {  // CTA-uniform
-    resolve_resident<kTopK>(p, i, r, L, sm.topk, out_row);
+    resolve_resident<kItemBytes, kTopK>(p, i, r, L, sm.topk, out_row);
     finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
     return;
   }
@@ -1340,7 +1413,7 @@ __device__ __forceinline__ void copier(const ResolveParams& p, const int c, cons
   __syncthreads();
   const uint32_t total = *s_total;
   uint32_t lo, hi;
-  cta_slice(static_cast<uint32_t>(c), static_cast<uint32_t>(num_copiers), total * (kItemBytes / 16), lo, hi);
+  cta_slice(static_cast<uint32_t>(c), static_cast<uint32_t>(num_copiers), total * RowLayout<kItemBytes>::kChunks, lo, hi);
   copy_rows<kItemBytes>(
       FlatRows{p.flat_host, p.flat_dev}, lo + threadIdx.x, hi, blockDim.x, p.host_kv, p.host_rows, p.device_kv,
       p.device_rows, p.state);
@@ -1423,7 +1496,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) replay_kernel(const __grid_con
   __syncthreads();
   if (n == 0) return;
   uint32_t lo, hi;
-  cta_slice(blockIdx.x, gridDim.x, carry * (kItemBytes / 16), lo, hi);
+  cta_slice(blockIdx.x, gridDim.x, carry * RowLayout<kItemBytes>::kChunks, lo, hi);
   copy_rows<kItemBytes>(
       PlanRows{p.plan_host, p.plan_host_stride, p.plan_dev, p.plan_dev_stride, s_prefix, n}, lo + threadIdx.x, hi,
       blockDim.x, p.host_kv, p.host_rows, p.device_kv, p.device_rows, p.state);
@@ -1494,15 +1567,19 @@ inline void check_block(int64_t block) {
       "hisparse: block size must be a multiple of 32 in [32, 1024], got ", block);
 }
 
-inline void check_rows(const TensorView& kv, int item_bytes, const char* name) {
+// A KV buffer's leading dimension indexes units of RowLayout::kUnitBytes (a row; a page of C4 rows).
+template <int kItemBytes>
+inline void check_rows(const TensorView& kv, const char* name) {
+  constexpr int64_t unit_bytes = RowLayout<kItemBytes>::kUnitBytes;
+  const char* unit = RowLayout<kItemBytes>::kRowsPerUnit > 1 ? " pages" : " rows";
   host::RuntimeCheck(kv.ndim() >= 1, "hisparse: ", name, " must have a row dimension");
   int64_t elems = 1;
   for (int d = 1; d < kv.ndim(); ++d) elems *= kv.size(d);
   const int64_t esize = kv.dtype().bits / 8;
-  host::RuntimeCheck(elems * esize == item_bytes, "hisparse: ", name, " rows are ", elems * esize,
-                     " bytes, the kernel was built for ", item_bytes);
-  host::RuntimeCheck(kv.stride(0) * esize == item_bytes && kv.stride(kv.ndim() - 1) == 1,
-                     "hisparse: ", name, " rows must be contiguous");
+  host::RuntimeCheck(elems * esize == unit_bytes, "hisparse: ", name, unit, " are ", elems * esize,
+                     " bytes, the kernel was built for ", unit_bytes);
+  host::RuntimeCheck(kv.stride(0) * esize == unit_bytes && kv.stride(kv.ndim() - 1) == 1,
+                     "hisparse: ", name, unit, " must be contiguous");
   host::RuntimeCheck(reinterpret_cast<uintptr_t>(ptr<char>(kv)) % 16 == 0, "hisparse: ", name,
                      " must be 16-byte aligned");
 }
@@ -1630,8 +1707,8 @@ BoundResolve bind_layer(
   host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
                      "hisparse: num_real_reqs must be an int32 device tensor");
   if constexpr (!kSkipIO) {
-    check_rows(host_kv, kItemBytes, "host_kv");
-    check_rows(device_kv, kItemBytes, "device_kv");
+    check_rows<kItemBytes>(host_kv, "host_kv");
+    check_rows<kItemBytes>(device_kv, "device_kv");
   }
   const bool has_plan = plan_counts.numel() > 0;
   if (has_plan) {
@@ -1685,9 +1762,9 @@ BoundResolve bind_layer(
   p.slot_map = has_map ? ptr<int16_t>(slot_map) : nullptr;
   p.map_stride = has_map ? slot_map.stride(0) : 0;
   p.host_kv = ptr<const uint8_t>(host_kv);
-  p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) : 0;
+  p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) * RowLayout<kItemBytes>::kRowsPerUnit : 0;
   p.device_kv = ptr<uint8_t>(device_kv);
-  p.device_rows = device_kv.ndim() >= 1 ? device_kv.size(0) : 0;
+  p.device_rows = device_kv.ndim() >= 1 ? device_kv.size(0) * RowLayout<kItemBytes>::kRowsPerUnit : 0;
   p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
   p.has_plan = has_plan ? 1 : 0;
   b.plan_rows = INT64_MAX;
@@ -1748,7 +1825,7 @@ void launch_bound(const BoundResolve& b, const TensorView& topk, const TensorVie
   host::RuntimeCheck(num_reqs <= b.plan_rows, "hisparse: plan tensors must cover num_reqs rows");
   host::RuntimeCheck(num_reqs <= b.spill_reqs, "hisparse: a batch of ", num_reqs, " rows exceeds the workspace (spill "
                      "buffer of ", b.spill_reqs, " requests)");
-  host::RuntimeCheck(num_reqs * kTopK * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
+  host::RuntimeCheck(num_reqs * kTopK * int64_t(RowLayout<kItemBytes>::kChunks) < (int64_t(1) << 31),
                      "hisparse: num_reqs * top_k too large for 32-bit chunk indices");
   host::RuntimeCheck(b.device_type == kDLCUDA, "hisparse: the tables must be on a CUDA device");
 
@@ -1767,7 +1844,7 @@ void launch_bound(const BoundResolve& b, const TensorView& topk, const TensorVie
       // more than fit beside the planners in one wave (a second wave would delay even a launch
       // with no misses).
       const int64_t fill = int64_t(per_sm) * sm_count(b.device_id);
-      const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(kItemBytes / 16), b.block * kCopyUnroll);
+      const int64_t need = host::div_ceil(num_reqs * kTopK * int64_t(RowLayout<kItemBytes>::kChunks), b.block * kCopyUnroll);
       const int64_t room = fill - num_reqs > fill / 2 ? fill - num_reqs : fill / 2;
       copiers = need < room ? need : room;
       if (copiers < 1) copiers = 1;
@@ -1891,11 +1968,11 @@ void replay(
                      "hisparse: plan tensors disagree in shape");
   host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
                      "hisparse: num_real_reqs must be an int32 device tensor");
-  check_rows(host_kv, kItemBytes, "host_kv");
-  check_rows(device_kv, kItemBytes, "device_kv");
+  check_rows<kItemBytes>(host_kv, "host_kv");
+  check_rows<kItemBytes>(device_kv, "device_kv");
   host::RuntimeCheck(is_int(ws_state.dtype(), 32) && ws_state.numel() >= kStateWords,
                      "hisparse: workspace state too small");
-  host::RuntimeCheck(plan_rows * plan_host.size(1) * int64_t(kItemBytes / 16) < (int64_t(1) << 31),
+  host::RuntimeCheck(plan_rows * plan_host.size(1) * int64_t(RowLayout<kItemBytes>::kChunks) < (int64_t(1) << 31),
                      "hisparse: plan too large for 32-bit chunk indices");
   const size_t smem = align16(4 * size_t(plan_rows + 1)) + 4 * kWarpSize;
   host::RuntimeCheck(smem <= kMaxSmemBytes, "hisparse: plan has too many rows for one CTA's prefix table");
@@ -1915,9 +1992,9 @@ void replay(
   p.plan_width = static_cast<int32_t>(plan_host.size(1));
   p.num_real_reqs = ptr<const int32_t>(num_real_reqs);
   p.host_kv = ptr<const uint8_t>(host_kv);
-  p.host_rows = host_kv.size(0);
+  p.host_rows = host_kv.size(0) * RowLayout<kItemBytes>::kRowsPerUnit;
   p.device_kv = ptr<uint8_t>(device_kv);
-  p.device_rows = device_kv.size(0);
+  p.device_rows = device_kv.size(0) * RowLayout<kItemBytes>::kRowsPerUnit;
   p.state = ptr<uint32_t>(ws_state);
   const auto stream = host::LaunchKernel::resolve_device(plan_counts.device());
   host::LaunchKernel(dim3(static_cast<unsigned>(num_ctas)), dim3(static_cast<unsigned>(block)), stream, smem)(kernel, p);

@@ -24,7 +24,11 @@ reference's preconditions:
   (the map's invariant), every other entry is garbage, mostly slots that hold other positions
   (stale entries), some out of range;
 * ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
-  random over the host pool.
+  random over the host pool;
+* with ``item_bytes`` 584 (DeepSeek-V4's C4 rows) the KV buffers are paged (``[pages, 37440]``
+  uint8, 64 rows per page), the kernel and the oracles get ``C4PagedRows`` views of them and
+  ``compress_ratio`` 4, and ``req_to_token`` holds token ids: entry ``q``'s logical id times 4
+  plus 3 at column ``4q + 3`` (the token completing it), garbage in the other columns.
 
 Every output the kernel may write is poisoned with values no real output can take, and the same
 poisoned state is handed to the kernel and to the reference, so an unwritten element or a stray
@@ -41,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
 from sglang_hisparse.resolver.reference import MissPlan
 
 BF16_ITEM_BYTES = 1152  # bf16 MLA row: 576 x 2 B
@@ -48,12 +53,38 @@ FP8_ITEM_BYTES = 656  # FlashMLA FP8 row, stored as uint8
 
 
 def kv_view(flat: torch.Tensor, item_bytes: int) -> torch.Tensor:
-    """View a flat uint8 buffer as ``[rows, 1, dim]`` KV rows: bf16 for 1152-byte rows, else uint8."""
+    """View a flat uint8 buffer as ``[rows, 1, dim]`` KV rows: bf16 for 1152-byte rows, else uint8;
+    DeepSeek-V4's C4 rows (584 B) as ``[pages, 37440]`` uint8 pages."""
+    if item_bytes == C4_ITEM_BYTES:
+        pages = flat.numel() // C4_PAGE_BYTES
+        return flat[: pages * C4_PAGE_BYTES].view(pages, C4_PAGE_BYTES)
     if item_bytes == BF16_ITEM_BYTES:
         rows = flat.numel() // item_bytes
         return flat[: rows * item_bytes].view(torch.bfloat16).view(rows, 1, item_bytes // 2)
     rows = flat.numel() // item_bytes
     return flat[: rows * item_bytes].view(rows, 1, item_bytes)
+
+
+def kv_rows(kv: torch.Tensor, item_bytes: int) -> int:
+    """Rows of a :func:`kv_view` buffer."""
+    return kv.shape[0] * (C4_PAGE_ENTRIES if item_bytes == C4_ITEM_BYTES else 1)
+
+
+def kv_bytes(rows: int, item_bytes: int) -> int:
+    """Bytes of a :func:`kv_view` buffer with at least ``rows`` rows (whole pages for C4 rows)."""
+    if item_bytes == C4_ITEM_BYTES:
+        return -(-rows // C4_PAGE_ENTRIES) * C4_PAGE_BYTES
+    return rows * item_bytes
+
+
+def compress_ratio_of(item_bytes: int) -> int:
+    """Tokens per position: 4 for DeepSeek-V4's C4 rows, else 1."""
+    return 4 if item_bytes == C4_ITEM_BYTES else 1
+
+
+def row_args(kv: torch.Tensor, item_bytes: int):
+    """A buffer as the resolvers take it: a ``C4PagedRows`` view for C4 rows, else the tensor."""
+    return C4PagedRows(kv) if item_bytes == C4_ITEM_BYTES else kv
 
 
 class HostPool:
@@ -269,10 +300,18 @@ class Case:
     map_all: dict[str, torch.Tensor] = field(default_factory=dict)  # with slot_map only
 
     def kernel_kwargs(self) -> dict[str, Any]:
-        return dict(self.inputs, **self.kernel, host_kv=self.host_kv, device_kv=self.kernel_kv)
+        item = self.spec.item_bytes
+        return dict(self.inputs, **self.kernel, host_kv=row_args(self.host_kv, item),
+                    device_kv=row_args(self.kernel_kv, item), **self._ratio())
 
     def ref_kwargs(self) -> dict[str, Any]:
-        return dict(self.inputs, **self.ref, host_kv=self.host_mirror, device_kv=self.ref_kv)
+        item = self.spec.item_bytes
+        return dict(self.inputs, **self.ref, host_kv=row_args(self.host_mirror, item),
+                    device_kv=row_args(self.ref_kv, item), **self._ratio())
+
+    def _ratio(self) -> dict[str, int]:
+        ratio = compress_ratio_of(self.spec.item_bytes)
+        return {"compress_ratio": ratio} if ratio != 1 else {}
 
 
 def _distinct_below(gen: torch.Generator, rows: int, width: int, limit: torch.Tensor, count: int,
@@ -304,12 +343,14 @@ def _residency_tables(spec: CaseSpec, gen: torch.Generator, R: int, ctx: int, fi
         resident = is_resident
     else:
         resident = torch.where(is_resident, randint(1, 256, (R,)), 0).to(torch.uint8)
-    cols = ctx + 3  # a few columns beyond host_locs'; shapes depend on the spec only (graph replays)
-    used = R * cols
+    entries = ctx + 3  # a few columns beyond host_locs'; shapes depend on the spec only (graph replays)
+    ratio = compress_ratio_of(spec.item_bytes)
+    cols = entries * ratio
+    used = R * entries
     n_logical = used + 32  # spare logical ids, mapped to -1
     ids = torch.randperm(n_logical, generator=gen, device=dev)
     wide = randint(-(1 << 30), 1 << 30, (R, cols + spec.rtt_row_pad)).to(torch.int32)
-    wide[:, :cols] = ids[:used].view(R, cols).to(torch.int32)
+    wide[:, ratio - 1:cols:ratio] = (ids[:used].view(R, entries) * ratio + ratio - 1).to(torch.int32)
     req_to_token = wide[:, :cols] if spec.rtt_row_pad > 0 else wide.contiguous()
     logical_to_device = torch.full((n_logical,), -1, dtype=torch.int64, device=dev)
     logical_to_device[ids[:used]] = first_row + torch.randperm(used + 64, generator=gen, device=dev)[:used]
@@ -330,12 +371,12 @@ def make_case(
     draw = _Draws(gen, device)
     ctx = 4 * spec.B + 64  # host_locs columns (max context)
     host_kv, mirror = pool.views(spec.item_bytes)
-    assert host_kv.shape[0] >= ctx, "host pool too small for the context"
+    assert kv_rows(host_kv, spec.item_bytes) >= ctx, "host pool too small for the context"
     D = spec.max_reqs * (spec.B + 1)
-    need = D * spec.item_bytes
+    need = kv_bytes(D, spec.item_bytes)
     assert kernel_buf.numel() >= need and ref_buf.numel() >= need, "device KV buffers too small"
 
-    rows = _pool_rows(spec, draw, ctx, host_kv.shape[0], D)
+    rows = _pool_rows(spec, draw, ctx, kv_rows(host_kv, spec.item_bytes), D)
     top_k_positions, seq_lens, rpi = _batch(spec, draw, rows, ctx)
     out, plan, counters = _poisoned_outputs(spec, draw)
     byte = int(draw.randint(0, 256, (1,)).item())

@@ -71,3 +71,48 @@ def test_bad_buffers_and_mismatched_rows_are_refused():
     with pytest.raises(ValueError, match="584 B cannot be copied into rows of 24 B"):
         copy_rows(C4PagedRows(torch.zeros(1, C4_PAGE_BYTES, dtype=torch.uint8)), torch.tensor([0]),
                   LinearRows(torch.zeros(2, 24, dtype=torch.uint8)), torch.tensor([1]))
+
+
+def test_the_kernel_wrapper_takes_c4_views_only_with_their_ratio():
+    from sglang_hisparse.resolver.cuda import check_supported, kv_buffers
+
+    host = C4PagedRows(torch.zeros(4, C4_PAGE_BYTES, dtype=torch.uint8))
+    dev = C4PagedRows(torch.zeros(2, C4_PAGE_BYTES, dtype=torch.uint8))
+    h, d, item = kv_buffers(host, dev, compress_ratio=4)
+    assert h is host.pages and d is dev.pages and item == C4_ITEM_BYTES
+    check_supported(item, 1024, 512)  # the 584-byte layout is a supported row size
+    lin = torch.zeros(8, 656, dtype=torch.uint8)
+    assert kv_buffers(lin, LinearRows(lin))[2] == 656
+    with pytest.raises(ValueError, match="compress_ratio must be 4"):
+        kv_buffers(host, dev)
+    with pytest.raises(ValueError, match="both be C4PagedRows views or both be tensors"):
+        kv_buffers(host, lin, compress_ratio=4)
+    with pytest.raises(ValueError, match="compress_ratio 4 needs C4PagedRows"):
+        kv_buffers(lin, lin, compress_ratio=4)
+    with pytest.raises(ValueError, match="power of two"):
+        kv_buffers(lin, lin, compress_ratio=3)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        check_supported(580, 1024, 512)
+
+
+def test_reference_resident_path_reads_each_entry_at_its_last_token():
+    """A resident request's entry q is found through req_to_token[r, 4q + 3] // 4: the token ids
+    of the other three tokens of the entry are never read."""
+    from sglang_hisparse.resolver.reference import resolve_reference
+
+    L = 5  # entries
+    req_to_token = torch.full((1, 4 * L + 4), -7, dtype=torch.int32)
+    entries = torch.tensor([9, 2, 6, 4, 7])  # logical compressed ids of entries 0..4
+    req_to_token[0, 3:4 * L:4] = (entries * 4 + 3).to(torch.int32)
+    logical_to_device = torch.full((16,), -1, dtype=torch.int64)
+    logical_to_device[entries] = torch.tensor([100, 101, 102, 103, 104])
+    out = torch.full((1, 3), -5, dtype=torch.int32)
+    pages = torch.zeros(1, C4_PAGE_BYTES, dtype=torch.uint8)
+    resolve_reference(
+        top_k_positions=torch.tensor([[4, 0, -1]], dtype=torch.int32), seq_lens=torch.tensor([L]),
+        req_pool_indices=torch.tensor([0]), hot_locs=torch.zeros(1, 3, dtype=torch.int32),
+        slot_tokens=torch.full((1, 2), -1, dtype=torch.int32), lru=torch.zeros(1, 2, dtype=torch.int16),
+        host_locs=torch.zeros(1, L, dtype=torch.int64), host_kv=C4PagedRows(pages), device_kv=C4PagedRows(pages.clone()),
+        out=out, num_real_reqs=1, device_buffer_size=2, resident=torch.ones(1, dtype=torch.uint8),
+        req_to_token=req_to_token, logical_to_device=logical_to_device, compress_ratio=4)
+    assert out.tolist() == [[104, 100, -1]]

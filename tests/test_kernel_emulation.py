@@ -49,6 +49,18 @@ def test_emulated_kernel_matches_oracle(emu):
 
 
 @pytest.mark.slow
+def test_emulated_kernel_on_deepseek_v4_c4_rows(emu):
+    """DeepSeek-V4's C4 layers: 584-byte rows in 37440-byte FlashMLA pages (the 8-byte scale chunk
+    apart from the value), positions that are entries of 4 tokens (the resident path reads
+    req_to_token at each entry's last token). Kernel and oracle agree on every output, the device
+    pages byte for byte (padding included: both start from the same poison)."""
+    import run_emulation
+
+    failures, reports = run_emulation.run_cases(emu, 30, seed=42, item_bytes=584)
+    assert failures == 0, "\n\n".join(reports)
+
+
+@pytest.mark.slow
 @pytest.mark.full
 def test_emulated_kernel_matches_oracle_on_many_cases(emu):
     """The exhaustive run: 400 more random cases (another seed)."""

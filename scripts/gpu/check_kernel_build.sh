@@ -18,8 +18,10 @@ trap 'rm -rf "$TMP"' EXIT
   echo "#include \"$ROOT/kernels/resolve.cuh\""
   echo "#include <tvm/ffi/function.h>"
   n=0
-  for item in 1152 656; do
-    for kb in "64 64" "64 128" "64 256" "512 512" "512 1024" "512 2048" "2048 2048" "2048 4096" "2048 8192"; do
+  for item in 1152 656 584; do  # 584: DeepSeek-V4's paged C4 rows (V4's top_k 512 / 1024)
+    configs=("64 64" "64 128" "64 256" "512 512" "512 1024" "512 2048" "2048 2048" "2048 4096" "2048 8192")
+    [ "$item" = 584 ] && configs=("512 512" "512 1024" "512 2048" "1024 1024" "1024 2048" "1024 4096")
+    for kb in "${configs[@]}"; do
       set -- $kb
       echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(r$n, (hisparse::resolve_launch<$item, $2, $1, false, false>));"
       echo "TVM_FFI_DLL_EXPORT_TYPED_FUNC(s$n, (hisparse::resolve_launch<$item, $2, $1, true, false>));"

@@ -10,6 +10,7 @@
 # Usage: bash scripts/gpu/run.sh <job> [args...] [+ <job> [args...] ...]   (jobs run in order)
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
 #   job = verify  -> bash scripts/gpu/verify_suite.sh   (the verify-step kernel tests and sanitizers)
+#   job = c4      -> bash scripts/gpu/c4_suite.sh   (the kernel on DeepSeek-V4's C4 rows: tests, sanitizers, bench)
 #   job = bg <job> [args...] -> that job in the background, alongside the next ones (the call waits
 #                    for it before packing the results; its exit status counts like the others')
 #   job = e2e     -> python scripts/gpu/e2e.py [args...]
@@ -84,6 +85,7 @@ run_job() {
   case "$job" in
     kernel) bash scripts/gpu/kernel_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     verify) bash scripts/gpu/verify_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    c4) bash scripts/gpu/c4_suite.sh "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     e2e) python3 scripts/gpu/e2e.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     pytest) python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     bench) HISPARSE_BENCH_COMMAND="bash scripts/gpu/run.sh bench $*" python3 scripts/research/bench_resolve.py --out "$OUT" "$@" 2>&1 \

@@ -4,7 +4,7 @@
 Run as ``compute-sanitizer --tool memcheck python scripts/gpu/sanitize_resolve.py`` (or
 racecheck). Cases and the oracle are computed on the CPU and only copied to the GPU, so the
 sanitizer instruments almost nothing but our kernels. Covers block sizes 32 .. 1024, both item
-sizes, plan recording and replay, skip-IO, fast-path and padded rows, resident requests mixed with
+sizes and DeepSeek-V4's paged C4 rows, plan recording and replay, skip-IO, fast-path and padded rows, resident requests mixed with
 hot-buffer ones (uint8 and bool flags), copier CTAs automatic, none (planners copy) and few, and
 spilling planners (a verify union of 3 and 4 rows of 2048: top-k-sized arrays in global memory).
 Every launch is also compared with the oracle. Exit status 1 on a mismatch. The JIT modules must already be built (scripts/gpu/jit_warmup.py, or ``--build-only``
@@ -29,7 +29,15 @@ import torch  # noqa: E402
 from sglang_hisparse.resolver import cuda as rcuda  # noqa: E402
 from sglang_hisparse.resolver import jit  # noqa: E402
 from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched  # noqa: E402
-from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, describe_difference, differences, make_case  # noqa: E402
+from sglang_hisparse_testkit.resolver_cases import (  # noqa: E402
+    CaseSpec,
+    HostPool,
+    compress_ratio_of,
+    describe_difference,
+    differences,
+    make_case,
+    row_args,
+)
 from sglang_hisparse.resolver.reference import MissPlan  # noqa: E402
 
 # (item, B, top_k, batch, num_real, block, copiers, plan, skip_io, hit_mode, resident)
@@ -44,12 +52,16 @@ CASES = [
     (656, 256, 64, 6, 6, 640, 0, False, False, "uniform", None),
     (1152, 1024, 512, 6, 5, 352, 0, True, False, "uniform", (0.5, torch.uint8)),
     (656, 128, 64, 4, 4, 1024, 0, False, True, "fixed", (1.0, torch.bool)),
+    # DeepSeek-V4's paged C4 rows (584 B, 37440-byte pages, entries of 4 tokens)
+    (584, 1024, 512, 3, 3, 256, 0, True, False, "uniform", None),
+    (584, 2048, 512, 2, 2, 960, 0, True, False, "fixed", (0.5, torch.uint8)),
     # copier mode last (its CTAs wait on the planners')
     (1152, 128, 64, 4, 4, 64, None, True, False, "uniform", None),
     (656, 1024, 512, 3, 2, 512, 3, False, False, "zero", None),
     (1152, 4096, 2048, 2, 2, 960, None, True, False, "fixed", None),
     (1152, 4096, 2048, 3, 3, 960, None, True, False, "fixed", (0.5, torch.bool)),
     (656, 10240, 8192, 3, 2, 1024, None, True, False, "uniform", None),  # spills
+    (584, 1024, 1024, 3, 3, 512, None, True, False, "uniform", (0.3, torch.bool)),
 ]
 
 
@@ -69,8 +81,20 @@ def to_gpu(case, dev):
         slot_tokens=tok[case.spec.layer], lru=lru[case.spec.layer], out=k["out"].to(dev),
         num_real_reqs=k["num_real_reqs"].to(dev), plan=plan,
         counters=None if k["counters"] is None else k["counters"].to(dev),
-        host_kv=case.host_kv, device_kv=case.kernel_kv.to(dev),
+        host_kv=row_args(case.host_kv, case.spec.item_bytes),
+        device_kv=row_args(case.kernel_kv.to(dev), case.spec.item_bytes), **ratio_kwargs(case.spec.item_bytes),
     ), tok, lru
+
+
+def ratio_kwargs(item: int) -> dict:
+    """``compress_ratio`` for DeepSeek-V4's C4 rows, nothing otherwise."""
+    ratio = compress_ratio_of(item)
+    return {"compress_ratio": ratio} if ratio != 1 else {}
+
+
+def raw(kv) -> torch.Tensor:
+    """The buffer behind a row view (``C4PagedRows``) or the tensor itself."""
+    return getattr(kv, "pages", kv)
 
 
 def sync(dev: torch.device) -> None:
@@ -78,9 +102,9 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def build_modules() -> None:
+def build_modules(cases: list) -> None:
     """JIT-build (or load) every module the cases launch, concurrently."""
-    configs = sorted({(item, B, K) for item, B, K, *_ in CASES})
+    configs = sorted({(item, B, K) for item, B, K, *_ in cases})
     t0 = time.time()
     jit.build_all([lambda c=c: jit.resolve_module(*c) for c in configs]
                   + [lambda i=i: jit.replay_module(i) for i in sorted({c[0] for c in configs})])
@@ -92,9 +116,12 @@ def main() -> int:
     parser.add_argument("--tool", default="sanitizer", help="label for the log")
     parser.add_argument("--device", default="cuda", help="device of the kernel launches")
     parser.add_argument("--build-only", action="store_true", help="build the modules the cases need and exit")
+    parser.add_argument("--items", type=int, nargs="+", default=None,
+                        help="only the cases of these row sizes (e.g. 584: DeepSeek-V4's C4 rows)")
     args = parser.parse_args()
+    cases = [c for c in CASES if args.items is None or c[0] in args.items]
     if args.build_only:
-        build_modules()
+        build_modules(cases)
         return 0
     dev = torch.device(args.device)
     cpu = torch.device("cpu")
@@ -104,7 +131,7 @@ def main() -> int:
     ws = rcuda.make_workspace(8, dev, top_k=8192, spill=True)
     rng = random.Random(3)
     failures = 0
-    for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode, resident) in enumerate(CASES):
+    for n, (item, B, K, batch, real, block, copiers, plan, skip, hit_mode, resident) in enumerate(cases):
         t0 = time.time()
         residency = {} if resident is None else dict(residency=True, resident_prob=resident[0],
                                                       resident_dtype=resident[1], rtt_row_pad=5)
@@ -120,7 +147,7 @@ def main() -> int:
         case.kernel["out"].copy_(kw["out"].cpu())
         case.slot_tokens_all["kernel"].copy_(tok.cpu())
         case.lru_all["kernel"].copy_(lru.cpu())
-        case.kernel_kv.copy_(kw["device_kv"].cpu())
+        case.kernel_kv.copy_(raw(kw["device_kv"]).cpu())
         if kw["plan"] is not None:
             for a, b in ((case.kernel["plan"].host_rows, kw["plan"].host_rows),
                          (case.kernel["plan"].device_rows, kw["plan"].device_rows),
@@ -131,12 +158,14 @@ def main() -> int:
         resolve_batched(**case.ref_kwargs())
         bad = differences(case)
         if kw["plan"] is not None:
-            kv2 = torch.zeros_like(kw["device_kv"])
-            rcuda.replay_plan_cuda(plan=kw["plan"], num_real_reqs=kw["num_real_reqs"], host_kv=case.host_kv,
-                                   device_kv=kv2, workspace=ws, block_size=rng.choice([32, 128, 512]), num_ctas=3)
+            kv2 = torch.zeros_like(raw(kw["device_kv"]))
+            rcuda.replay_plan_cuda(plan=kw["plan"], num_real_reqs=kw["num_real_reqs"], host_kv=kw["host_kv"],
+                                   device_kv=row_args(kv2, item), workspace=ws, block_size=rng.choice([32, 128, 512]),
+                                   num_ctas=3, **ratio_kwargs(item))
             sync(dev)
             ref2 = torch.zeros_like(case.ref_kv)
-            replay_plan_batched(plan=case.ref["plan"], num_real_reqs=real, host_kv=case.host_mirror, device_kv=ref2)
+            replay_plan_batched(plan=case.ref["plan"], num_real_reqs=real, host_kv=row_args(case.host_mirror, item),
+                                device_kv=row_args(ref2, item))
             if not torch.equal(kv2.cpu().reshape(-1).view(torch.uint8), ref2.reshape(-1).view(torch.uint8)):
                 bad.append("replay device_kv")
         state = ws.state[[0, 32, 64, 96]].tolist()
@@ -151,7 +180,7 @@ def main() -> int:
             for x in bad:
                 if " " not in x:
                     print(describe_difference(case, x), flush=True)
-    print(f"[{args.tool}] {len(CASES)} cases, {failures} mismatches", flush=True)
+    print(f"[{args.tool}] {len(cases)} cases, {failures} mismatches", flush=True)
     return 1 if failures else 0
 
 

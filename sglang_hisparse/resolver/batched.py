@@ -19,7 +19,8 @@ plan rows and counters untouched; plan count 0). Where the kernel counts an erro
 With ``slot_history`` and ``reuse_levels`` (the reuse policy, see ``reference.py``) the victims
 are the evictable slots of lowest ``level * (B + 1) + LRU position``, taken in LRU order, and the
 long rows' history is updated; everything is batched as for LRU. With ``slot_map`` (the
-position -> slot map, see ``reference.py``) each miss's entry is written.
+position -> slot map, see ``reference.py``) each miss's entry is written. ``compress_ratio`` and
+row views (DeepSeek-V4's paged C4 buffers) are as in ``reference.py``.
 """
 
 from __future__ import annotations
@@ -29,19 +30,26 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from sglang_hisparse.resolver.reuse import policy_tables, slot_levels, updated_history
-from sglang_hisparse.resolver.reference import MissPlan, real_count, residency_tables
+from sglang_hisparse.resolver.c4_rows import copy_rows, row_view
+from sglang_hisparse.resolver.reference import (
+    MissPlan,
+    check_compress_ratio,
+    entry_token_columns,
+    real_count,
+    residency_tables,
+)
 
 
 def resolve_batched(
     *, top_k_positions: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
     hot_locs: torch.Tensor, slot_tokens: torch.Tensor, lru: torch.Tensor, host_locs: torch.Tensor,
-    host_kv: torch.Tensor, device_kv: torch.Tensor, out: torch.Tensor,
+    host_kv, device_kv, out: torch.Tensor,
     num_real_reqs: Union[int, torch.Tensor], device_buffer_size: int, skip_io: bool = False,
     plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None,
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
-    slot_map: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
 
@@ -52,6 +60,8 @@ def resolve_batched(
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
     policy = policy_tables(slot_history, reuse_levels)
+    check_compress_ratio(compress_ratio)
+    host_kv, device_kv = row_view(host_kv), row_view(device_kv)
     n = real_count(num_real_reqs)
     if n <= 0:
         return
@@ -63,7 +73,7 @@ def resolve_batched(
     assert torch.unique(r).numel() == n, "batched reference needs distinct req_pool_indices"
 
     hot = hot_locs.index_select(0, r).long()  # [n, W]
-    res, result = _resident_results(pos, L, r, residency)
+    res, result = _resident_results(pos, L, r, residency, compress_ratio)
     short = (L <= B) & ~res  # fast path rows
     longr = ~short & ~res
     result = torch.where(short[:, None], _fast_results(pos, hot), result)
@@ -100,8 +110,8 @@ class _LongRows(NamedTuple):
     dev_row: torch.Tensor  # the victim slot's device row
 
 
-def _resident_results(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, residency: Optional[tuple]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _resident_results(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, residency: Optional[tuple],
+                      ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rows are resident ([n] bool) and the result so far ([n, K] int64): resident rows'
     own device rows, -1 elsewhere (all -1 without the residency tables). Reads only."""
     n, K = pos.shape
@@ -110,7 +120,7 @@ def _resident_results(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, resid
         return res, torch.full((n, K), -1, dtype=torch.long, device=pos.device)
     resident, req_to_token, logical_to_device = residency
     res = resident.index_select(0, r.to(resident.device)).to(pos.device) != 0
-    return res, torch.where(res[:, None], _resident_rows(pos, L, r, req_to_token, logical_to_device), -1)
+    return res, torch.where(res[:, None], _resident_rows(pos, L, r, req_to_token, logical_to_device, ratio), -1)
 
 
 def _fast_results(pos: torch.Tensor, hot: torch.Tensor) -> torch.Tensor:
@@ -180,8 +190,7 @@ def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, d
     if slot_map is not None:
         slot_map[r[mi].to(slot_map.device), m_pos.to(slot_map.device)] = m_slot.to(slot_map.device, slot_map.dtype)
     if not skip_io:
-        rows = host_kv.index_select(0, m_host.to(host_kv.device)).to(device_kv.device)
-        device_kv.index_copy_(0, m_dev.to(device_kv.device), rows)
+        copy_rows(host_kv, m_host, device_kv, m_dev)
     if plan_rows is not None:
         plan, miss_rank = plan_rows
         m_rank = miss_rank[mi, mj]
@@ -190,17 +199,19 @@ def _write_misses(miss: torch.Tensor, pos: torch.Tensor, victim: torch.Tensor, d
 
 
 def _resident_rows(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, req_to_token: torch.Tensor,
-                   logical_to_device: torch.Tensor) -> torch.Tensor:
-    """Each selection's own device row, ``logical_to_device[req_to_token[r, q]]`` [n, K] (int64),
-    for every row as if it were resident; -1 for padding and wherever the kernel counts an error
-    (``q >= seq_len``, ``q`` beyond ``req_to_token``'s columns, a logical id out of range).
-    Reads only; indices are clamped so that garbage in non-resident rows cannot fault."""
+                   logical_to_device: torch.Tensor, ratio: int = 1) -> torch.Tensor:
+    """Each selection's own device row, ``logical_to_device[req_to_token[r, c] // ratio]`` [n, K]
+    (int64; ``c = q * ratio + ratio - 1``, the token completing entry ``q``), for every row as if
+    it were resident; -1 for padding and wherever the kernel counts an error (``q >= seq_len``,
+    ``c`` beyond ``req_to_token``'s columns, a logical id out of range). Reads only; indices are
+    clamped so that garbage in non-resident rows cannot fault."""
     dev = pos.device
     cols = req_to_token.shape[1]
     n_logical = logical_to_device.shape[0]
-    ok = (pos >= 0) & (pos < L[:, None]) & (pos < cols)
+    col = entry_token_columns(pos, ratio)
+    ok = (pos >= 0) & (pos < L[:, None]) & (col < cols)
     rows = req_to_token.index_select(0, r.to(req_to_token.device))  # [n, cols]
-    ids = rows.gather(1, pos.clamp(0, max(cols - 1, 0)).to(rows.device)).long().to(dev)
+    ids = rows.gather(1, col.clamp(0, max(cols - 1, 0)).to(rows.device)).long().to(dev) // ratio
     ok &= (ids >= 0) & (ids < n_logical)
     device_rows = logical_to_device.index_select(0, ids.clamp(0, max(n_logical - 1, 0)).reshape(-1).to(
         logical_to_device.device)).view(ids.shape).to(dev)
@@ -257,7 +268,7 @@ def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torc
 
 
 def replay_plan_batched(
-    *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv: torch.Tensor, device_kv: torch.Tensor
+    *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv, device_kv
 ) -> None:
     """Copy-only replay of a miss plan (semantics of ``reference.replay_plan_reference``)."""
     n = real_count(num_real_reqs)
@@ -271,5 +282,4 @@ def replay_plan_batched(
     dst = plan.device_rows[:n][mask].long()
     if src.numel() == 0:
         return
-    rows = host_kv.index_select(0, src.to(host_kv.device)).to(device_kv.device)
-    device_kv.index_copy_(0, dst.to(device_kv.device), rows)
+    copy_rows(row_view(host_kv), src, row_view(device_kv), dst)

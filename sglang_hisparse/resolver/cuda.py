@@ -28,7 +28,8 @@ import torch
 from sglang_hisparse.config import DEFAULT_SWAP_IN_BLOCK_SIZE, DEFAULT_TOP_K, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from sglang_hisparse.resolver.reuse import policy_tables
 from sglang_hisparse.resolver import jit
-from sglang_hisparse.resolver.reference import MissPlan, residency_tables
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4PagedRows, LinearRows
+from sglang_hisparse.resolver.reference import MissPlan, check_compress_ratio, residency_tables
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,9 @@ def largest_buffer_size(top_k: int, reuse: bool = False) -> int:
 def check_supported(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> None:
     """Raise ValueError unless the kernel (``reuse``: the reuse-table policy's) can be built for
     this configuration."""
-    if item_bytes <= 0 or item_bytes % 16 != 0:
-        raise ValueError(f"hisparse kernel: KV rows must be a positive multiple of 16 bytes, got {item_bytes}")
+    if item_bytes != C4_ITEM_BYTES and (item_bytes <= 0 or item_bytes % 16 != 0):
+        raise ValueError(f"hisparse kernel: KV rows must be a positive multiple of 16 bytes (or DeepSeek-V4's "
+                         f"{C4_ITEM_BYTES}-byte paged C4 rows), got {item_bytes}")
     if not 1 <= top_k <= device_buffer_size <= MAX_SLOTS:
         raise ValueError(
             f"hisparse kernel: need 1 <= top_k ({top_k}) <= B ({device_buffer_size}) <= {MAX_SLOTS}"
@@ -238,8 +240,26 @@ def make_workspace(max_reqs: int, device: Union[torch.device, str], top_k: int =
     )
 
 
+def kv_buffers(host_kv, device_kv, compress_ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A layer's two KV buffers as the kernel takes them: ``(host tensor, device tensor, row bytes)``.
+
+    Tensors (or ``LinearRows``) are linear rows (the row bytes: a row's size; ``compress_ratio``
+    1). ``C4PagedRows`` views, both, are DeepSeek-V4's paged C4 rows: their page buffers, 584-byte
+    rows, ``compress_ratio`` 4 (the kernel's ``RowLayout<584>``). Raises ValueError otherwise."""
+    check_compress_ratio(compress_ratio)
+    paged = [isinstance(kv, C4PagedRows) for kv in (host_kv, device_kv)]
+    if any(paged):
+        _check(all(paged), "host_kv and device_kv must both be C4PagedRows views or both be tensors")
+        _check(compress_ratio == 4, f"DeepSeek-V4's C4 rows are entries of 4 tokens: compress_ratio must be 4, "
+                                    f"got {compress_ratio}")
+        return host_kv.pages, device_kv.pages, C4_ITEM_BYTES
+    host_kv, device_kv = (kv.kv if isinstance(kv, LinearRows) else kv for kv in (host_kv, device_kv))
+    _check(compress_ratio == 1, f"compress_ratio {compress_ratio} needs C4PagedRows buffers (DeepSeek-V4's C4 rows)")
+    return host_kv, device_kv, kv_item_bytes(device_kv)
+
+
 def kv_item_bytes(kv: torch.Tensor) -> int:
-    """Bytes per KV row of a ``[rows, ...]`` tensor."""
+    """Bytes per KV row of a ``[rows, ...]`` tensor (per page for a paged buffer)."""
     if kv.dim() < 1:
         raise ValueError("hisparse kernel: KV tensors need a row dimension")
     per_row = 1
@@ -305,8 +325,10 @@ def _signature(t: torch.Tensor) -> tuple:
 def _check_static_tables(
     B: int, top_k: int, skip_io: bool, device: torch.device, hot_locs: torch.Tensor, slot_tokens: torch.Tensor,
     lru: torch.Tensor, host_locs: torch.Tensor, host_kv: torch.Tensor, device_kv: torch.Tensor, reuse: bool = False,
+    item_bytes: Optional[int] = None,
 ) -> int:
-    """The checks of resolve_cuda's per-request tables and KV buffers; returns the KV row bytes."""
+    """The checks of resolve_cuda's per-request tables and KV buffers (tensors: :func:`kv_buffers`;
+    ``item_bytes``: its row bytes, None: linear rows); returns the KV row bytes."""
     _check_table(hot_locs, torch.int32, "hot_locs", device)
     _check_table(slot_tokens, torch.int32, "slot_tokens", device)
     _check_table(lru, torch.int16, "lru", device)
@@ -315,8 +337,8 @@ def _check_static_tables(
     _check(slot_tokens.shape[1] == B and lru.shape[1] == B, f"slot_tokens and lru need B = {B} columns")
     _check(device_kv.device == device, f"device_kv must be on {device}")
     _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
-    item_bytes = kv_item_bytes(device_kv)
-    _check(kv_item_bytes(host_kv) == item_bytes, "host_kv and device_kv rows differ in size")
+    _check(kv_item_bytes(host_kv) == kv_item_bytes(device_kv), "host_kv and device_kv rows differ in size")
+    item_bytes = kv_item_bytes(device_kv) if item_bytes is None else item_bytes
     check_supported(item_bytes, B, top_k, reuse)
     if not skip_io:
         _check_host_kv(host_kv)
@@ -390,12 +412,14 @@ def _validate_static(
     workspace: ResolveWorkspace, residency: Optional[tuple] = None, reuse: Optional[tuple] = None,
     slot_map: Optional[torch.Tensor] = None, skip_io: bool = False, plan: Optional[MissPlan] = None,
     counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
+    compress_ratio: int = 1,
 ) -> _Static:
     """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
     B, device = int(device_buffer_size), workspace.device
     block = check_block_size(DEFAULT_SWAP_IN_BLOCK_SIZE if block_size is None else int(block_size))
+    host_kv, device_kv, row_bytes = kv_buffers(host_kv, device_kv, compress_ratio)
     item_bytes = _check_static_tables(B, top_k, skip_io, device, hot_locs, slot_tokens, lru, host_locs, host_kv,
-                                      device_kv, reuse is not None)
+                                      device_kv, reuse is not None, row_bytes)
     table_rows = min(int(t.shape[0]) for t in (hot_locs, slot_tokens, lru, host_locs))
     if reuse is not None:
         _check_reuse(*reuse, B, table_rows, device)
@@ -514,7 +538,7 @@ def resolve_cuda(
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
-    slot_map: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
     workspace: ResolveWorkspace, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
     stage_clock: Union[bool, str] = False,
 ) -> None:
@@ -530,6 +554,8 @@ def resolve_cuda(
     by the buffers' signatures); every call launches through ``launch``, the entry point servers
     use. A server binds once per layer itself (:func:`bind_resolve_cuda`), which also skips the
     per-call signature lookup.
+
+    DeepSeek-V4's C4 layers pass ``C4PagedRows`` views and ``compress_ratio=4`` (:func:`kv_buffers`).
 
     Args beyond the reference's:
         workspace: from :func:`make_workspace` (``max_reqs >= num_reqs``, ``top_k >= top_k``).
@@ -547,15 +573,16 @@ def resolve_cuda(
     B, top_k = int(device_buffer_size), int(top_k_positions.shape[-1])
     num_reqs = _check_batch(top_k_positions, seq_lens, req_pool_indices, out, workspace, plan)
     num_real = num_real_reqs if isinstance(num_real_reqs, torch.Tensor) else workspace.resolve_num_real
-    key = _memo_key((B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers),
-                    (hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv), residency, reuse, slot_map, plan,
+    host_buf, device_buf, _ = kv_buffers(host_kv, device_kv, compress_ratio)
+    key = _memo_key((B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers, compress_ratio),
+                    (hot_locs, slot_tokens, lru, host_locs, host_buf, device_buf), residency, reuse, slot_map, plan,
                     counters, workspace.state, num_real)
     layer = _static_checked.get(key)
     static = layer.static if layer is not None else _validate_static(
         hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
         device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
         residency=residency, reuse=reuse, slot_map=slot_map, workspace=workspace, block_size=block_size,
-        num_copiers=num_copiers)
+        num_copiers=num_copiers, compress_ratio=compress_ratio)
     if num_reqs == 0:
         return  # validated, nothing to launch (binding would build the kernel module)
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)  # `num_real`, checked (an int written)
@@ -674,20 +701,23 @@ def replay_plan_cuda(
     workspace: ResolveWorkspace,
     block_size: Optional[int] = None,
     num_ctas: Optional[int] = None,
+    compress_ratio: int = 1,
 ) -> None:
     """Copy-only replay of a miss plan on another layer's buffers (semantics:
     :func:`reference.replay_plan_reference`). Few CTAs (default 8 of 512 threads) so that it can
     overlap compute on another stream; it shares only the error word of the workspace.
 
     Side effects: writes ``device_kv`` rows ``plan.device_rows[i, :counts[i]]`` for real rows.
+    Buffers as for :func:`resolve_cuda` (tensors, or ``C4PagedRows`` views with ``compress_ratio=4``).
     """
     block = check_block_size(DEFAULT_REPLAY_BLOCK if block_size is None else int(block_size))
     ctas = DEFAULT_REPLAY_CTAS if num_ctas is None else int(num_ctas)
+    host_kv, device_kv, row_bytes = kv_buffers(host_kv, device_kv, compress_ratio)
     key = ("replay", block, ctas, workspace.device, _signature(plan.host_rows), _signature(plan.device_rows),
            _signature(plan.counts), _signature(host_kv), _signature(device_kv))
     item_bytes = _static_checked.get(key)
     if item_bytes is None:
-        item_bytes = _check_replay(plan, host_kv, device_kv, workspace.device, ctas)
+        item_bytes = _check_replay(plan, host_kv, device_kv, workspace.device, ctas, row_bytes)
         if len(_static_checked) >= _STATIC_MEMO_SIZE:
             _static_checked.clear()
         _static_checked[key] = item_bytes
@@ -700,8 +730,9 @@ def replay_plan_cuda(
 
 
 def _check_replay(plan: MissPlan, host_kv: torch.Tensor, device_kv: torch.Tensor, device: torch.device,
-                  ctas: int) -> int:
-    """The checks of replay_plan_cuda's arguments; returns the KV row bytes."""
+                  ctas: int, item_bytes: int) -> int:
+    """The checks of replay_plan_cuda's arguments (buffers and row bytes: :func:`kv_buffers`);
+    returns the KV row bytes."""
     _check(1 <= ctas <= 65535, f"num_ctas must be in [1, 65535], got {ctas}")
     _check(plan.counts.device == device and plan.host_rows.device == device and plan.device_rows.device == device,
            f"plan tensors must be on {device}")
@@ -709,9 +740,9 @@ def _check_replay(plan: MissPlan, host_kv: torch.Tensor, device_kv: torch.Tensor
            and plan.counts.dtype == torch.int32, "plan tensors must be int64 / int32 / int32")
     _check(device_kv.device == device, f"device_kv must be on {device}")
     _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
-    item_bytes = kv_item_bytes(device_kv)
-    _check(kv_item_bytes(host_kv) == item_bytes, "host_kv and device_kv rows differ in size")
-    _check(item_bytes > 0 and item_bytes % 16 == 0, f"KV rows must be a multiple of 16 bytes, got {item_bytes}")
+    _check(kv_item_bytes(host_kv) == kv_item_bytes(device_kv), "host_kv and device_kv rows differ in size")
+    _check(item_bytes == C4_ITEM_BYTES or (item_bytes > 0 and item_bytes % 16 == 0),
+           f"KV rows must be a multiple of 16 bytes, got {item_bytes}")
     _check_host_kv(host_kv)
     _check_rows_kv(host_kv, "host_kv")
     _check_rows_kv(device_kv, "device_kv")

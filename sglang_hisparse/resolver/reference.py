@@ -9,7 +9,10 @@ For request ``i < num_real_reqs`` (rows at and beyond ``num_real_reqs`` are not 
 * A padding entry (``-1``) resolves to ``-1``.
 * Resident request (``resident[r] != 0``; only when the residency tables are passed): its whole KV
   is on the device, position ``p`` at ``logical_to_device[req_to_token[r, p]]``. No IO, no table
-  or LRU change, not counted. Checked before the fast path.
+  or LRU change, not counted. Checked before the fast path. With ``compress_ratio`` k > 1
+  (DeepSeek-V4's C4 layers: positions are compressed entries of k tokens, ``seq_lens`` count
+  entries) entry ``p``'s logical id is that of the token completing it,
+  ``req_to_token[r, p * k + k - 1] // k``.
 * Fast path, ``L <= B``: position ``p`` lives at slot ``p``: ``out = hot_locs[r, p]``. No IO, no
   table or LRU change.
 * Otherwise the newest position ``L - 1`` resolves to the reserved newest slot B
@@ -52,6 +55,10 @@ selections. It does not change any result above. Its invariant, kept by every wr
 entries of positions no slot holds are stale and never read as hits (the kernel checks the
 slot's token). The resolver keeps it by writing each miss's entry: ``slot_map[r, p] = s``.
 
+Row layout. ``host_kv`` and ``device_kv`` are tensors of linear rows (row ``g`` = ``kv[g]``) or
+row views (``resolver/c4_rows.py``: ``C4PagedRows`` for DeepSeek-V4's paged C4 buffers); a copy
+moves a row's bytes whatever the layout.
+
 Preconditions: selected positions of a request are distinct and in ``[-1, L)``; B >= the number
 of non-newest selections. Tensors are updated in place; the function allocates only temporaries.
 """
@@ -63,6 +70,7 @@ from typing import Optional, Union
 
 import torch
 
+from sglang_hisparse.resolver.c4_rows import copy_rows, row_view
 from sglang_hisparse.resolver.reuse import policy_tables, slot_levels, updated_history
 
 
@@ -99,7 +107,7 @@ def resolve_reference(
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
-    slot_map: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
 
@@ -129,21 +137,23 @@ def resolve_reference(
         reuse_levels: uint8 [54] eviction level of each history cell (reuse policy).
         slot_map: int16 [max_reqs, >= max_context] this layer's position -> slot map (module
             docstring); each miss's entry is written.
+        compress_ratio: tokens per position (1: DSA; 4: DeepSeek-V4's C4 entries; module docstring).
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
+    host_kv, device_kv = row_view(host_kv), row_view(device_kv)
     policy = policy_tables(slot_history, reuse_levels)
     levels = None if policy is None else reuse_levels.to("cpu")
+    check_compress_ratio(compress_ratio)
     layer = _Layer(hot_locs, slot_tokens, lru, host_locs, device_buffer_size, residency, slot_history, levels,
-                   slot_map)
+                   slot_map, compress_ratio)
     stats = ResolveStats()
-    row_bytes = device_kv[0].numel() * device_kv.element_size()
     for i in range(real_count(num_real_reqs)):
         r, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
         result, copies, selected = _resolve_one(layer, r, seq_len, top_k_positions[i].tolist())
         stats.selected += selected
         _copy_misses(i, copies, host_kv, device_kv, skip_io, plan)
         stats.misses += len(copies)
-        stats.copied_bytes += 0 if skip_io else len(copies) * row_bytes
+        stats.copied_bytes += 0 if skip_io else len(copies) * device_kv.row_bytes
         out[i].copy_(torch.tensor(result, dtype=out.dtype))
     if counters is not None:
         counters += torch.tensor([stats.selected, stats.misses], dtype=counters.dtype, device=counters.device)
@@ -155,6 +165,18 @@ def real_count(num_real_reqs: Union[int, torch.Tensor]) -> int:
     if isinstance(num_real_reqs, torch.Tensor):
         return int(num_real_reqs.reshape(-1)[0])
     return int(num_real_reqs)
+
+
+def check_compress_ratio(compress_ratio: int) -> None:
+    """Raise ValueError unless ``compress_ratio`` is a power of two >= 1 (the kernel shifts by it)."""
+    if not isinstance(compress_ratio, int) or compress_ratio < 1 or compress_ratio & (compress_ratio - 1):
+        raise ValueError(f"compress_ratio must be a power of two >= 1 (1: DSA, 4: DeepSeek-V4 C4), got {compress_ratio!r}")
+
+
+def entry_token_columns(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """``req_to_token`` column of the token completing each position's entry: ``p * k + k - 1``
+    (``p`` itself for k = 1). Pure."""
+    return positions * compress_ratio + (compress_ratio - 1)
 
 
 def residency_tables(resident, req_to_token, logical_to_device):
@@ -171,7 +193,8 @@ def residency_tables(resident, req_to_token, logical_to_device):
 class _Layer:
     """One call's per-layer tables (the keywords of :func:`resolve_reference`), for the per-request
     helpers. ``B``: ``device_buffer_size``; ``residency``: ``(resident, req_to_token,
-    logical_to_device)`` or None; ``levels``: ``reuse_levels`` on the CPU, or None (LRU)."""
+    logical_to_device)`` or None; ``levels``: ``reuse_levels`` on the CPU, or None (LRU);
+    ``ratio``: ``compress_ratio``."""
 
     hot_locs: torch.Tensor
     slot_tokens: torch.Tensor
@@ -182,6 +205,7 @@ class _Layer:
     slot_history: Optional[torch.Tensor]
     levels: Optional[torch.Tensor]
     slot_map: Optional[torch.Tensor]
+    ratio: int = 1
 
 
 def _resolve_one(layer: _Layer, r: int, seq_len: int, positions: list[int]
@@ -191,20 +215,22 @@ def _resolve_one(layer: _Layer, r: int, seq_len: int, positions: list[int]
     fast path (slot p) copy, count and write nothing; the long path is :func:`_resolve_request`."""
     if layer.residency is not None and bool(layer.residency[0][r]):  # whole KV on device: its own rows
         _, req_to_token, logical_to_device = layer.residency
-        rows = logical_to_device[req_to_token[r, :seq_len].long()].tolist()
+        columns = entry_token_columns(torch.arange(seq_len), layer.ratio)
+        rows = logical_to_device[req_to_token[r, columns].long() // layer.ratio].tolist()
         return [int(rows[p]) if p >= 0 else -1 for p in positions], [], 0
     if seq_len <= layer.B:  # fast path: position p sits in slot p
         return [int(layer.hot_locs[r, p]) if p >= 0 else -1 for p in positions], [], 0
     return _resolve_request(layer, r, seq_len, positions)
 
 
-def _copy_misses(i: int, copies: list[tuple[int, int]], host_kv: torch.Tensor, device_kv: torch.Tensor,
-                 skip_io: bool, plan: Optional[MissPlan]) -> None:
+def _copy_misses(i: int, copies: list[tuple[int, int]], host_kv, device_kv, skip_io: bool,
+                 plan: Optional[MissPlan]) -> None:
     """Batch row ``i``'s miss copies ``(host row, device row)``, in top-k order: copied from
-    ``host_kv`` into ``device_kv`` (unless ``skip_io``) and, with a ``plan``, recorded in its row
-    ``i`` (count and rows)."""
-    for host_row, device_row in copies if not skip_io else ():
-        device_kv[device_row].copy_(host_kv[host_row])
+    ``host_kv`` into ``device_kv`` (row views; unless ``skip_io``) and, with a ``plan``, recorded in
+    its row ``i`` (count and rows)."""
+    if copies and not skip_io:
+        host_rows, device_rows = zip(*copies)  # distinct victims: one copy, the same result as one by one
+        copy_rows(host_kv, torch.tensor(host_rows), device_kv, torch.tensor(device_rows))
     if plan is not None:
         plan.counts[i] = len(copies)
         for n, (host_row, device_row) in enumerate(copies):
@@ -299,17 +325,15 @@ def _update_recency(layer: _Layer, r: int, new_order: list[int], hit_slots: set[
 
 
 def replay_plan_reference(
-    *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv: torch.Tensor, device_kv: torch.Tensor
+    *, plan: MissPlan, num_real_reqs: Union[int, torch.Tensor], host_kv, device_kv
 ) -> int:
     """Copy-only replay of a miss plan on another layer's buffers (``num_real_reqs``: an int or
-    an int32 [1] tensor, as for the resolve). Returns bytes copied."""
+    an int32 [1] tensor, as for the resolve; buffers: tensors or row views). Returns bytes copied."""
+    host_kv, device_kv = row_view(host_kv), row_view(device_kv)
     copied = 0
     for i in range(real_count(num_real_reqs)):
         n = int(plan.counts[i])
         if n == 0:
             continue
-        src = plan.host_rows[i, :n].to(host_kv.device)
-        dst = plan.device_rows[i, :n].to(device_kv.device)
-        device_kv[dst] = host_kv[src].to(device_kv.device)
-        copied += n * device_kv[0].numel() * device_kv.element_size()
+        copied += copy_rows(host_kv, plan.host_rows[i, :n], device_kv, plan.device_rows[i, :n])
     return copied

@@ -42,6 +42,15 @@ struct alignas(16) uint4 {
 inline int4 make_int4(int x, int y, int z, int w) {
   return int4{x, y, z, w};
 }
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+  return uint4{x, y, z, w};
+}
+inline uint2 make_uint2(unsigned x, unsigned y) {
+  return uint2{x, y};
+}
 
 namespace emu {
 
@@ -251,6 +260,14 @@ inline uint4 ld_nc_v4(const void* p) {
 }
 inline void st_v4(void* p, const uint4& v) {
   std::memcpy(p, &v, 16);
+}
+inline uint2 ld_nc_v2(const void* p) {
+  uint2 v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline void st_v2(void* p, const uint2& v) {
+  std::memcpy(p, &v, 8);
 }
 inline uint32_t ld_acquire_gpu(const uint32_t* p) {
   return std::atomic_ref<uint32_t>(*const_cast<uint32_t*>(p)).load(std::memory_order_acquire);

@@ -67,9 +67,9 @@ void run_resolve(const Args& a) {
   p.max_context = a.host_locs.size(1);
   p.table_rows = std::min({a.hot.size(0), a.tok.size(0), a.lru.size(0), a.host_locs.size(0)});
   p.host_kv = reinterpret_cast<const uint8_t*>(a.host_kv.data_ptr());
-  p.host_rows = a.host_kv.size(0);
+  p.host_rows = a.host_kv.size(0) * hisparse::RowLayout<kItemBytes>::kRowsPerUnit;
   p.device_kv = reinterpret_cast<uint8_t*>(a.device_kv.data_ptr());
-  p.device_rows = a.device_kv.size(0);
+  p.device_rows = a.device_kv.size(0) * hisparse::RowLayout<kItemBytes>::kRowsPerUnit;
   p.out = ptr<int32_t>(a.out);
   p.out_stride = a.out.stride(0);
   p.num_real_reqs = ptr<const int32_t>(a.num_real);
@@ -156,9 +156,9 @@ void run_replay(torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor p
   p.plan_width = static_cast<int32_t>(plan_host.size(1));
   p.num_real_reqs = ptr<const int32_t>(num_real);
   p.host_kv = reinterpret_cast<const uint8_t*>(host_kv.data_ptr());
-  p.host_rows = host_kv.size(0);
+  p.host_rows = host_kv.size(0) * hisparse::RowLayout<kItemBytes>::kRowsPerUnit;
   p.device_kv = reinterpret_cast<uint8_t*>(device_kv.data_ptr());
-  p.device_rows = device_kv.size(0);
+  p.device_rows = device_kv.size(0) * hisparse::RowLayout<kItemBytes>::kRowsPerUnit;
   p.state = reinterpret_cast<uint32_t*>(state.data_ptr());
   const size_t smem = hisparse::align16(4 * size_t(p.plan_rows + 1)) + 4 * 32;
   emu::launch(static_cast<unsigned>(ctas), static_cast<unsigned>(block), smem,
@@ -180,6 +180,8 @@ const std::map<Key, ResolveFn>& table() {
       HISPARSE_EMU_CONFIG(1152, 256, 64), HISPARSE_EMU_CONFIG(656, 256, 64),
       HISPARSE_EMU_CONFIG(656, 64, 8),  // hash region < B: the map's candidates checked in global memory
       HISPARSE_EMU_CONFIG(1152, 40, 16),  HISPARSE_EMU_CONFIG(656, 96, 48),  // spilled (see kPlanSpills above)
+      // DeepSeek-V4's paged C4 rows (RowLayout<584>): entries of 4 tokens in 37440-byte pages
+      HISPARSE_EMU_CONFIG(584, 13, 5),   HISPARSE_EMU_CONFIG(584, 64, 32),  HISPARSE_EMU_CONFIG(584, 256, 64),
   };
   return t;
 }
@@ -212,6 +214,8 @@ void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch
             int64_t block, int64_t ctas, bool concurrent) {
   if (item == 1152) return run_replay<1152>(plan_host, plan_dev, plan_counts, num_real, host_kv, device_kv, state,
                                             block, ctas, concurrent);
+  if (item == 584) return run_replay<584>(plan_host, plan_dev, plan_counts, num_real, host_kv, device_kv, state,
+                                          block, ctas, concurrent);
   TORCH_CHECK(item == 656, "no emulated replay for item ", item);
   run_replay<656>(plan_host, plan_dev, plan_counts, num_real, host_kv, device_kv, state, block, ctas, concurrent);
 }

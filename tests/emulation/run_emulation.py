@@ -60,10 +60,11 @@ def emulate(emu: Any, case: Any, ws: Any, block: int, concurrent: bool) -> None:
     spec = case.spec
     kw = case.kernel_kwargs()
     plan, ctr = kw["plan"], kw["counters"]
+    host_kv, device_kv = case.host_kv, case.kernel_kv  # the raw buffers (pages for C4 rows)
     emu.resolve(
         spec.item_bytes, spec.B, spec.top_k, spec.skip_io, kw["top_k_positions"], kw["seq_lens"],
-        kw["req_pool_indices"], kw["hot_locs"], kw["slot_tokens"], kw["lru"], kw["host_locs"], kw["host_kv"],
-        kw["device_kv"], kw["out"], kw["num_real_reqs"],
+        kw["req_pool_indices"], kw["hot_locs"], kw["slot_tokens"], kw["lru"], kw["host_locs"], host_kv,
+        device_kv, kw["out"], kw["num_real_reqs"],
         plan.host_rows if plan else e64, plan.device_rows if plan else e32, plan.counts if plan else e32,
         ctr if ctr is not None else e64,
         kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
@@ -73,8 +74,11 @@ def emulate(emu: Any, case: Any, ws: Any, block: int, concurrent: bool) -> None:
     )
 
 
-def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024) -> tuple[int, list[str]]:
-    """Run ``cases`` random cases (sequential or concurrent CTAs); returns (failures, reports)."""
+def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024, item_bytes: Optional[int] = None
+              ) -> tuple[int, list[str]]:
+    """Run ``cases`` random cases (sequential or concurrent CTAs; ``item_bytes``: only the
+    configurations of that row size, e.g. 584 for DeepSeek-V4's paged C4 rows); returns
+    (failures, reports)."""
     from sglang_hisparse.resolver import cuda as rcuda
     from sglang_hisparse.resolver.batched import replay_plan_batched, resolve_batched
     from sglang_hisparse_testkit.resolver_cases import (
@@ -90,7 +94,8 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
     kbuf = torch.empty(16 << 20, dtype=torch.uint8)
     rbuf = torch.empty(16 << 20, dtype=torch.uint8)
     ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
-    configs = emu.configs()
+    configs = [c for c in emu.configs() if item_bytes is None or c[0] == item_bytes]
+    assert configs, f"no emulated configuration with {item_bytes}-byte rows"
     rng = random.Random(seed)
     failures = 0
     reports: list[str] = []
@@ -114,8 +119,9 @@ def run_cases(emu: Any, cases: int, seed: int, log=print, max_block: int = 1024)
             case.ref_kv.view(torch.uint8).fill_(byte)
             emu.replay(item, plan.host_rows, plan.device_rows, plan.counts, case.kernel["num_real_reqs"], case.host_kv,
                        case.kernel_kv, ws.state, rng.choice([32, 64, 128]), rng.choice([1, 2, 5]), rng.random() < 0.5)
-            replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=case.host_mirror,
-                                device_kv=case.ref_kv)
+            ref = case.ref_kwargs()
+            replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=ref["host_kv"],
+                                device_kv=ref["device_kv"])
             if not torch.equal(case.kernel_kv.reshape(-1).view(torch.uint8), case.ref_kv.reshape(-1).view(torch.uint8)):
                 bad.append("replay device_kv")
         if bad:
@@ -135,13 +141,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tsan", action="store_true")
+    parser.add_argument("--item-bytes", type=int, default=None, help="only configurations of this row size")
     parser.add_argument("--max-block", type=int, default=1024, help="largest block size (TSan: 256 keeps memory low)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     t0 = time.time()
     emu = build(tsan=args.tsan)
     t1 = time.time()
-    failures, _ = run_cases(emu, args.cases, args.seed, max_block=args.max_block)
+    failures, _ = run_cases(emu, args.cases, args.seed, max_block=args.max_block, item_bytes=args.item_bytes)
     print(f"[emulation] build {t1 - t0:.0f}s, {args.cases} cases in {time.time() - t1:.0f}s, {failures} failures"
           + (" (TSan: see any 'WARNING: ThreadSanitizer' above)" if args.tsan else ""))
     return 1 if failures else 0

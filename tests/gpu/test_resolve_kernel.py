@@ -13,8 +13,12 @@ Every case poisons all outputs, runs kernel and oracle on identical copies, and 
 slot tokens (both layers), LRU (both layers), device KV bytes, plan and counters; the workspace
 must report no errors and hold zero counters after every launch.
 
+DeepSeek-V4's C4 rows (584 B in 37440-byte FlashMLA pages, positions that are entries of 4
+tokens) have their own random test over V4's top_k (index_topk 512 and 1024) and B up to 4k.
+
 Env: HISPARSE_TEST_CASES (default 10000), HISPARSE_TEST_SECONDS (time cap, default 420; hitting
-it fails the test), HISPARSE_RESULTS_DIR (write kernel_tests.json there), HISPARSE_TEST_COMMAND.
+it fails the test), HISPARSE_RESULTS_DIR (write kernel_tests.json there), HISPARSE_TEST_COMMAND;
+HISPARSE_C4_TEST_CASES / HISPARSE_C4_TEST_SECONDS (defaults 10000 / 300; kernel_tests_c4.json).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from sglang_hisparse_testkit.resolver_cases import (  # noqa: E402
     HostPool,
     describe_difference,
     differences,
+    kv_bytes,
     make_case,
     random_spec,
 )
@@ -53,6 +58,8 @@ BLOCKS = tuple(range(32, 1025, 32))
 MAX_BATCH = 128
 MAX_REQS = MAX_BATCH + 8
 POOL_BYTES = 1200 << 20
+C4_ITEM = 584  # DeepSeek-V4's C4 rows (RowLayout<584>)
+C4_CONFIGS = [(512, 512), (512, 1024), (512, 2048), (1024, 1024), (1024, 2048), (1024, 4096)]  # (top_k, B)
 
 
 def _combo(c: int) -> tuple[int, int, int, int]:
@@ -68,7 +75,9 @@ def built() -> float:
     start = time.time()
     jobs = [lambda i=i, k=k, b=b, r=r: jit.resolve_module(i, b, k, reuse=r)
             for i in ITEMS for k, b in CONFIGS for r in (False, True)]
-    jobs += [lambda i=i: jit.replay_module(i) for i in ITEMS]
+    jobs += [lambda k=k, b=b, r=r: jit.resolve_module(C4_ITEM, b, k, reuse=r) for k, b in C4_CONFIGS
+             for r in (False, True)]
+    jobs += [lambda i=i: jit.replay_module(i) for i in ITEMS + (C4_ITEM,)]
     jit.build_all(jobs)
     return time.time() - start
 
@@ -76,7 +85,8 @@ def built() -> float:
 @pytest.fixture(scope="module")
 def env():
     pool = HostPool(POOL_BYTES, DEVICE, pin=True, seed=20261130)
-    need = max(MAX_REQS * (b + 1) * item for item in ITEMS for _, b in CONFIGS)
+    need = max([kv_bytes(MAX_REQS * (b + 1), item) for item in ITEMS for _, b in CONFIGS]
+               + [kv_bytes(MAX_REQS * (b + 1), C4_ITEM) for _, b in C4_CONFIGS])
     kernel_buf = torch.empty(need, dtype=torch.uint8, device=DEVICE)
     ref_buf = torch.empty(need, dtype=torch.uint8, device=DEVICE)
     ws = rcuda.make_workspace(MAX_REQS, DEVICE, top_k=max(TOP_KS))
@@ -101,11 +111,13 @@ def _run_case(case, ws, rng: random.Random) -> list[str]:
         byte = rng.randrange(256)
         case.kernel_kv.view(torch.uint8).fill_(byte)
         case.ref_kv.view(torch.uint8).fill_(byte)
+        kw, rkw = case.kernel_kwargs(), case.ref_kwargs()  # the buffers as row views where paged
+        ratio = {k: v for k, v in kw.items() if k == "compress_ratio"}
         rcuda.replay_plan_cuda(plan=case.kernel["plan"], num_real_reqs=case.kernel["num_real_reqs"],
-                               host_kv=case.host_kv, device_kv=case.kernel_kv, workspace=ws,
-                               block_size=rng.choice(BLOCKS), num_ctas=rng.choice([1, 3, 8, 64]))
-        replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=case.host_mirror,
-                            device_kv=case.ref_kv)
+                               host_kv=kw["host_kv"], device_kv=kw["device_kv"], workspace=ws,
+                               block_size=rng.choice(BLOCKS), num_ctas=rng.choice([1, 3, 8, 64]), **ratio)
+        replay_plan_batched(plan=case.ref["plan"], num_real_reqs=spec.num_real, host_kv=rkw["host_kv"],
+                            device_kv=rkw["device_kv"])
         if not torch.equal(case.kernel_kv.reshape(-1).view(torch.uint8), case.ref_kv.reshape(-1).view(torch.uint8)):
             bad.append("replay device_kv")
         ok, words = _state_ok(ws)
@@ -114,11 +126,11 @@ def _run_case(case, ws, rng: random.Random) -> list[str]:
     return bad
 
 
-def _write_results(cases: int, failures: int, extra: dict) -> None:
+def _write_results(cases: int, failures: int, extra: dict, name: str = "kernel_tests.json") -> None:
     out = results_dir()
     if out is None:
         return
-    path = out / "kernel_tests.json"
+    path = out / name
     sanitizer = {"memcheck_errors": -1, "racecheck_hazards": -1}  # filled by scripts/gpu/sanitize_resolve.py
     if path.exists():
         import json
@@ -138,11 +150,12 @@ def _write_results(cases: int, failures: int, extra: dict) -> None:
     })
 
 
-def test_kernel_matches_oracle_on_random_cases(built, env):
+def _random_cases(env, built: float, combo, n_cases: int, budget: float, seed: int, configs: list,
+                  results_name: str, max_batch: int = MAX_BATCH) -> None:
+    """Run ``n_cases`` random cases (``combo(c)`` -> item_bytes, top_k, B, block) within ``budget``
+    seconds against the oracle, write ``results_name`` and fail on any difference or a short run."""
     pool, kernel_buf, ref_buf, ws = env
-    n_cases = int(os.environ.get("HISPARSE_TEST_CASES", "10000"))
-    budget = float(os.environ.get("HISPARSE_TEST_SECONDS", "420"))
-    rng = random.Random(int(os.environ.get("HISPARSE_TEST_SEED", "1130")))
+    rng = random.Random(seed)
     start = time.time()
     done = failures = requests = 0
     reports: list[str] = []
@@ -153,21 +166,18 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
         for c in range(n_cases):
             if time.time() - start > budget:
                 break
-            item, k, b, block = _combo(c)
-            spec = random_spec(rng, item_bytes=item, B=b, top_k=k, block_size=block, max_batch=MAX_BATCH,
+            item, k, b, block = combo(c)
+            spec = random_spec(rng, item_bytes=item, B=b, top_k=k, block_size=block, max_batch=max_batch,
                                seed=rng.randrange(1 << 62))
             case = make_case(spec, pool, kernel_buf, ref_buf, DEVICE)
             bad = _run_case(case, ws, rng)
             done += 1
             requests += spec.num_reqs
-            stats["skip_io"] += spec.skip_io
-            stats["plan"] += spec.plan
-            stats["padded"] += spec.num_real < spec.num_reqs
-            stats["self_copy"] += spec.num_copiers == 0
-            stats["copiers"] += spec.num_copiers is None or spec.num_copiers > 0
-            stats["residency"] += spec.residency
-            stats["reuse"] += spec.reuse
-            stats["slot_map"] += spec.slot_map
+            for key, on in (("skip_io", spec.skip_io), ("plan", spec.plan), ("padded", spec.num_real < spec.num_reqs),
+                            ("self_copy", spec.num_copiers == 0),
+                            ("copiers", spec.num_copiers is None or spec.num_copiers > 0),
+                            ("residency", spec.residency), ("reuse", spec.reuse), ("slot_map", spec.slot_map)):
+                stats[key] += bool(on)
             if bad:
                 failures += 1
                 if len(reports) < 5:
@@ -183,14 +193,35 @@ def test_kernel_matches_oracle_on_random_cases(built, env):
     finally:
         elapsed = time.time() - start
         _write_results(done, failures, {
-            "launches": done, "requests": requests, "configs": [[i, k, b] for i in ITEMS for k, b in CONFIGS],
+            "launches": done, "requests": requests, "configs": configs,
             "seconds": round(elapsed, 1), "jit_seconds": round(built, 1), "mode_counts": stats,
             "first_failures": reports, "error": error,
-        })
-        print(f"\n[kernel tests] {done} cases ({requests} requests) in {elapsed:.0f}s, {failures} failures; "
-              f"JIT {built:.0f}s; {stats}")
+        }, results_name)
+        print(f"\n[kernel tests {results_name}] {done} cases ({requests} requests) in {elapsed:.0f}s, {failures} "
+              f"failures; JIT {built:.0f}s; {stats}")
     assert not reports, "\n\n".join(reports)
     assert done >= n_cases, f"only {done} of {n_cases} cases ran in the {budget:.0f}s budget"
+
+
+def test_kernel_matches_oracle_on_random_cases(built, env):
+    _random_cases(env, built, _combo, int(os.environ.get("HISPARSE_TEST_CASES", "10000")),
+                  float(os.environ.get("HISPARSE_TEST_SECONDS", "420")), int(os.environ.get("HISPARSE_TEST_SEED", "1130")),
+                  [[i, k, b] for i in ITEMS for k, b in CONFIGS], "kernel_tests.json")
+
+
+def _c4_combo(c: int) -> tuple[int, int, int, int]:
+    """(584, top_k, B, block) of C4 case c: every block size with every C4 config."""
+    k, b = C4_CONFIGS[(c // len(BLOCKS)) % len(C4_CONFIGS)]
+    return C4_ITEM, k, b, BLOCKS[c % len(BLOCKS)]
+
+
+def test_kernel_matches_oracle_on_c4_rows(built, env):
+    """DeepSeek-V4's C4 layers: 584-byte rows in 37440-byte pages (a 16-byte value chunk path and
+    the 8-byte scale chunk), positions that are entries of 4 tokens (residency looks each up at
+    its last token), V4's top_k 512 / 1024; batches up to 64."""
+    _random_cases(env, built, _c4_combo, int(os.environ.get("HISPARSE_C4_TEST_CASES", "10000")),
+                  float(os.environ.get("HISPARSE_C4_TEST_SECONDS", "300")), 2026_12_05,
+                  [[C4_ITEM, k, b] for k, b in C4_CONFIGS], "kernel_tests_c4.json", max_batch=64)
 
 
 @pytest.mark.parametrize("resident_dtype", [torch.uint8, torch.bool])
