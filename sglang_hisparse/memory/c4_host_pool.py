@@ -1,0 +1,257 @@
+"""Host pool of DeepSeek-V4's C4 attention KV: every C4 layer's entries in (pinned) host DRAM.
+
+SGLang 0.5.17 offloads only the C4 attention KV of a V4 model (layers with ``compress_ratio == 4``;
+a layer's index here is SGLang's ``compress_layer_id`` among them). One row is one compressed
+entry (4 tokens), 584 bytes, stored in FlashMLA's paged layout: 64 entries per 37440-byte page
+(``resolver/c4_rows.py`` defines the addressing; this module never repeats it). The host buffers
+have the device pool's page layout, so a whole page is one contiguous 37440-byte item (what the PD
+direct-to-host transfer writes, :meth:`C4HostPool.get_contiguous_buf_infos`).
+
+:class:`C4HostPool` offers the interface the host mirror (``memory/host_mirror.py``) drives on the
+DSA host pool (``HiSparseHostPool``): ``capacity_tokens``, ``row_bytes``, ``page_size``,
+``layer_num``, ``kv_buffer``, ``alloc`` / ``free`` / ``available_size``, the per-request rows
+(:class:`RequestRowRecord`: ``alloc_paged_token_slots``, ``grow_request_rows``, ``grow_rows``,
+``free_request_rows``, ``rows_of``) and the copies ``write_back`` / ``load_rows``. Besides,
+``read_entries`` / ``write_entries`` give every layer's bytes of some rows (a PD retraction's copy
+to ordinary memory; the DSA mirror indexes its linear ``kv_buffer`` directly for that).
+
+A plain class, not a subclass of SGLang's ``DeepSeekV4PagedHostPool`` or ``HostKVCache``: no SGLang
+code checks the coordinator's host pool with ``isinstance`` on the HiSparse paths (PD decode reads
+``mem_pool_host.get_contiguous_buf_infos()``, ``.layer_num`` and ``.alloc_paged_token_slots``
+only; the HiCache controller, which type-checks host pools, is not built with HiSparse), and
+inheriting would bring SGLang's own HiSparse helpers and whole-page copy shortcut with it.
+
+Owns: the host rows' free list (a :class:`~sglang_hisparse.memory.paging.PageAllocator` of 64-row
+pages on the CPU; page 0 is never handed out, so host row 0 never holds an entry), each request
+slot's rows (CPU chunks, :class:`RequestRowRecord`) and the host bytes. Pinning uses
+``cudaHostRegister`` on an ordinary allocation rather than torch's pinned allocator, which rounds
+every block up to a power of two (a 70 GB pool would pin 128 GB).
+
+Copies go through ``C4PagedRows`` views of the host page buffer and of the device pool's per-layer
+page buffers, on CPU and CUDA alike: gather on the source's device, one transfer of every layer's
+bytes, scatter on the destination's (a copy from CUDA waits for the device: the host mirror's copy
+lanes run it off the decode path). A fused CUDA copy (entry-granular, like the resolver kernel's
+``RowLayout<584>``) may replace this without changing the interface.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from sglang_hisparse.memory.paging import PageAllocator
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+
+
+class RequestRowRecord:
+    """Host rows of request slots, by whole pages, written into a position -> host row table the
+    caller owns (the host mirror's ``row_table`` and ``rows_allocated``), and kept on the host too
+    (``_rows_of``: CPU int64 chunks in position order), so that freeing a request reads nothing back
+    from the table's device. Invariant: a slot's record equals its table row up to its allocated
+    end, which is a multiple of ``page_size``. Subclasses provide ``page_size``, ``alloc``,
+    ``free`` and ``available_size``."""
+
+    page_size: int
+
+    def __init__(self) -> None:
+        self._rows_of: dict[int, list[torch.Tensor]] = {}
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        raise NotImplementedError
+
+    def free(self, rows: torch.Tensor) -> int:
+        raise NotImplementedError
+
+    def available_size(self) -> int:
+        raise NotImplementedError
+
+    def alloc_paged_token_slots(self, req_to_host_pool: torch.Tensor, req_to_host_pool_allocated_len: torch.Tensor,
+                                req_pool_idx: int, start_pos: int, num_tokens: int) -> torch.Tensor:
+        """Host rows of positions ``start_pos .. start_pos + num_tokens - 1`` of a request (the
+        contract SGLang's PD decode path calls; it sends ``rows[::64] // 64`` as page ids and the
+        prefill writes whole pages there). Grows the request's rows by whole pages as needed;
+        ``start_pos`` must not pass the allocated end (AssertionError). Side effects: those of
+        :meth:`grow_request_rows`. Returns a view of the table row (the table's device)."""
+        if num_tokens <= 0:
+            return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
+        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
+        if start_pos > allocated:
+            raise AssertionError(f"host rows must grow in order: start {start_pos} > allocated {allocated}")
+        end = start_pos + num_tokens
+        self.grow_request_rows(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
+        return req_to_host_pool[req_pool_idx, start_pos:end]
+
+    def _exhausted(self, needed: int) -> RuntimeError:
+        return RuntimeError(f"sglang-hisparse: C4 host pool exhausted ({self.available_size()} rows free, "
+                            f"{needed} needed); admission should have prevented this")
+
+    def grow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int, end: int) -> None:
+        """Give positions ``0..end-1`` of a request a host row each, adding whole pages. Side
+        effects: pages taken from the free list, their rows written into ``table`` and the record,
+        the new allocated end into ``lengths`` (only when a page is added). Raises RuntimeError
+        when the pool is exhausted (admission counts this pool: a bug, not a load condition)."""
+        allocated = int(lengths[req_pool_idx])
+        new_end = -(-end // self.page_size) * self.page_size
+        if new_end <= allocated:
+            return
+        rows = self.alloc(new_end - allocated)
+        if rows is None:
+            raise self._exhausted(new_end - allocated)
+        table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
+        lengths[req_pool_idx] = new_end
+        self._rows_of.setdefault(req_pool_idx, []).append(rows)
+
+    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
+        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
+        tensors, distinct slots): one allocation, one table write. Same side effects and error."""
+        p = self.page_size
+        allocated = lengths[idxs]
+        need = ((ends + p - 1) // p * p - allocated).clamp(min=0)
+        total = int(need.sum())
+        if not total:
+            return
+        rows = self.alloc(total)
+        if rows is None:
+            raise self._exhausted(total)
+        req = idxs.repeat_interleave(need)
+        first = (need.cumsum(0) - need).repeat_interleave(need)
+        pos = allocated.repeat_interleave(need) + torch.arange(total) - first
+        where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
+        table[where[0], where[1]] = where[2]
+        lengths[idxs] = allocated + need
+        for idx, count, chunk in zip(idxs.tolist(), need.tolist(), rows.split(need.tolist())):
+            if count:
+                self._rows_of.setdefault(idx, []).append(chunk)
+
+    def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
+        """Return every host row of a request to the free list and clear its table row (to -1) and
+        allocated end. Returns the rows freed (0 for a slot with none). Reads only the record."""
+        allocated = int(lengths[req_pool_idx])
+        chunks = self._rows_of.pop(req_pool_idx, [])
+        if allocated == 0:
+            return 0
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        assert rows.numel() == allocated, f"host rows kept for slot {req_pool_idx}: {rows.numel()} != {allocated}"
+        freed = self.free(rows)
+        table[req_pool_idx, :allocated] = -1
+        lengths[req_pool_idx] = 0
+        return freed
+
+    def rows_of(self, req_pool_idx: int) -> torch.Tensor:
+        """The host rows of a request slot in position order (CPU int64; empty for none): its
+        table row up to its allocated end. No side effects."""
+        chunks = self._rows_of.get(req_pool_idx, [])
+        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
+
+
+class C4HostPool(RequestRowRecord):
+    """Host rows of the C4 attention KV of every C4 layer (module docstring).
+
+    ``kv_buffer`` is uint8 ``[layer_num, pages + 1, 37440]`` (host memory, pinned when asked):
+    ``kv_buffer[layer]`` is that layer's contiguous page buffer, page 0 unused. Host row ``h`` is
+    entry ``h % 64`` of page ``h // 64``."""
+
+    row_bytes = C4_ITEM_BYTES
+    page_size = C4_PAGE_ENTRIES
+    item_bytes = C4_PAGE_BYTES
+
+    def __init__(self, layer_num: int, capacity: int, device: torch.device | str = "cpu", *,
+                 pin_memory: bool, debug: bool = False):
+        """``capacity`` entries per layer, rounded up to whole pages; ``device``: the device pool's
+        device (the other end of the copies). Side effect: allocates (and pins) the host buffer;
+        with ``pin_memory`` and no CUDA, RuntimeError."""
+        if layer_num < 1 or capacity < 1:
+            raise ValueError(f"a C4 host pool needs layers >= 1 and capacity >= 1, got {layer_num}, {capacity}")
+        super().__init__()
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        self.pin_memory = pin_memory
+        self.num_pages = -(-capacity // C4_PAGE_ENTRIES)
+        self.pages = PageAllocator(self.num_pages, C4_PAGE_ENTRIES, "cpu", debug=debug)
+        self.kv_buffer = torch.empty((layer_num, self.num_pages + 1, C4_PAGE_BYTES), dtype=torch.uint8)
+        if pin_memory:
+            _pin(self, self.kv_buffer)
+        self._views = [C4PagedRows(self.kv_buffer[layer]) for layer in range(layer_num)]
+
+    @classmethod
+    def from_device_pool(cls, device_pool: Any, capacity: int, *, pin_memory: bool, debug: bool = False) -> "C4HostPool":
+        """For a C4 device pool (``C4DevicePool`` or any pool with ``layer_num``, ``device`` and
+        ``kv_buffer`` of C4 pages): its layer count and device."""
+        first = device_pool.kv_buffer[0]
+        if first.dtype != torch.uint8 or first.shape[-1] != C4_PAGE_BYTES:
+            raise ValueError(f"not a C4 device pool: its pages are {first.dtype} {tuple(first.shape)}")
+        return cls(device_pool.layer_num, capacity, device_pool.device, pin_memory=pin_memory, debug=debug)
+
+    # --- rows ---------------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Rows this pool can hand out (whole pages)."""
+        return self.num_pages * C4_PAGE_ENTRIES
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        """``need_size`` rows (a multiple of 64, else ValueError) as whole pages, CPU int64 in page
+        order; None (nothing taken) when fewer are free."""
+        return self.pages.alloc_tokens(need_size)
+
+    def free(self, rows: torch.Tensor) -> int:
+        """Return the pages of ``rows`` (whole pages, as handed out) to the free list; returns the
+        row count."""
+        self.pages.free_tokens(rows.cpu())
+        return rows.numel()
+
+    def available_size(self) -> int:
+        return self.pages.available_tokens()
+
+    # --- bytes --------------------------------------------------------------------------------
+    def read_entries(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every layer's bytes of host ``rows``: uint8 ``[layer_num, n, 584]``, a new CPU tensor."""
+        return torch.stack([view.read(rows) for view in self._views])
+
+    def write_entries(self, rows: torch.Tensor, data: torch.Tensor, layers: Optional[range] = None) -> None:
+        """Write ``data`` (uint8 ``[len(layers), n, 584]``) into host ``rows`` (distinct) of
+        ``layers`` (every layer by default). Side effect: those entries only (padding untouched)."""
+        for i, layer in enumerate(layers if layers is not None else range(self.layer_num)):
+            self._views[layer].write(rows, data[i])
+
+    def write_back(self, device_pool: Any, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:
+        """Copy device rows to host rows (distinct), every layer, on the current stream."""
+        if device_rows.numel() == 0:
+            return
+        data = torch.stack([C4PagedRows(device_pool.kv_buffer[layer]).read(device_rows)
+                            for layer in range(self.layer_num)])
+        self.write_entries(host_rows, data.cpu())
+
+    def load_rows(self, device_pool: Any, host_rows: torch.Tensor, device_rows: torch.Tensor,
+                  layer_id: Optional[int] = None) -> None:
+        """Copy host rows into device rows (distinct) for one layer, or every layer when
+        ``layer_id`` is None. Side effect: those device entries only."""
+        if device_rows.numel() == 0:
+            return
+        layers = range(self.layer_num) if layer_id is None else range(layer_id, layer_id + 1)
+        data = torch.stack([self._views[layer].read(host_rows) for layer in layers])
+        data = data.to(device_pool.kv_buffer[0].device)
+        for i, layer in enumerate(layers):
+            C4PagedRows(device_pool.kv_buffer[layer]).write(device_rows, data[i])
+
+    # --- PD -----------------------------------------------------------------------------------
+    def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:
+        """The PD direct-to-host destinations: per layer the page buffer's address, its bytes, and
+        the item length (one 37440-byte page; SGLang sends host page ids ``row // 64``). SGLang's
+        decode side marks them host DRAM itself (``kv_data_mem_kinds``) when HiSparse is on."""
+        buffers = [self.kv_buffer[layer] for layer in range(self.layer_num)]
+        return ([b.data_ptr() for b in buffers], [b.nbytes for b in buffers], [C4_PAGE_BYTES] * self.layer_num)
+
+
+def _pin(owner: object, buffer: torch.Tensor) -> None:
+    """Page-lock ``buffer`` (cudaHostRegister) for as long as ``owner`` lives. RuntimeError
+    without CUDA or when the driver refuses."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("sglang-hisparse: the C4 host pool cannot pin host memory without CUDA (pin_memory=False)")
+    cudart = torch.cuda.cudart()
+    rc = cudart.cudaHostRegister(buffer.data_ptr(), buffer.nbytes, 0)
+    if int(rc) != 0:
+        raise RuntimeError(f"sglang-hisparse: cudaHostRegister of the C4 host pool ({buffer.nbytes} bytes) "
+                           f"failed: {cudart.cudaGetErrorString(rc)}")
+    weakref.finalize(owner, cudart.cudaHostUnregister, buffer.data_ptr())
