@@ -18,7 +18,7 @@ reads a demoted request's last selections there; a follower layer returns its so
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,7 +33,11 @@ class LayerResolve:
     def __init__(self, resolver: Resolver, *, layers: int, max_reqs: int, top_k: int, device: torch.device,
                  hot, mirror, device_pool, counters: torch.Tensor, num_real_reqs: torch.Tensor, skip_io: bool,
                  out: torch.Tensor, topk_sources: Optional[list[int]], residency_tables: dict,
-                 reuse_levels: Optional[torch.Tensor] = None, query_rows: int = 1):
+                 reuse_levels: Optional[torch.Tensor] = None, query_rows: int = 1,
+                 layer_rows: Optional[Callable[[int], tuple]] = None, compress_ratio: int = 1):
+        """``layer_rows(layer)``: the layer's (host, device) KV as the resolver takes them (default:
+        the pools' ``kv_buffer[layer]`` tensors; DeepSeek-V4: ``C4PagedRows`` views, with
+        ``compress_ratio`` 4)."""
         self.out = out
         self._resolver = resolver
         self._mirror, self._device_pool = mirror, device_pool
@@ -45,11 +49,15 @@ class LayerResolve:
             if prefetch.active():
                 self.prefetch = prefetch
                 logger.info("sglang-hisparse: IndexShare prefetch on: source layer -> followers %s", prefetch.followers)
+        rows_of = layer_rows or (lambda layer: (mirror.pool.kv_buffer[layer], device_pool.kv_buffer[layer]))
+        ratio = {} if compress_ratio == 1 else dict(compress_ratio=compress_ratio)
+
         def layer_tables(layer: int) -> dict:
             """One layer's keywords common to its one-row and verify resolvers."""
+            host_kv, device_kv = rows_of(layer)
             return dict(hot_locs=hot.slot_rows, slot_tokens=hot.slot_positions[layer], lru=hot.recency[layer],
-                        host_locs=mirror.row_table, host_kv=mirror.pool.kv_buffer[layer],
-                        device_kv=device_pool.kv_buffer[layer], num_real_reqs=num_real_reqs,
+                        host_locs=mirror.row_table, host_kv=host_kv, device_kv=device_kv, num_real_reqs=num_real_reqs,
+                        **ratio,
                         device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
                         **self._policy_tables(hot, layer, reuse_levels),
                         **({} if hot.slot_map is None else dict(slot_map=hot.slot_map[layer])))

@@ -106,6 +106,17 @@ class HotBuffers:
             self.window_start[idx] = logical_ids.numel()
         return rows
 
+    def open_empty(self, idx: int) -> None:
+        """Give request slot ``idx`` a hot buffer with no position yet (a DeepSeek-V4 request
+        shorter than one C4 entry): no rows (its first page comes with its first position,
+        :meth:`grow`), tables as :meth:`open` ``filled`` leaves them (slot ``p`` will hold
+        position ``p``)."""
+        self.capacity[idx] = 0
+        self.slot_positions[:, idx] = self._slot_numbers
+        if self.slot_map is not None:
+            self.slot_map[:, idx, : self._map_prefix] = self._slot_numbers[: self._map_prefix].to(torch.int16)
+        self._reset_order(idx)
+
     def open_with_rows(self, idx: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Give request slot ``idx`` a full hot buffer of the given ``padded`` rows (a demoted
         resident request's own pages): slot ``s`` is ``rows[s]`` and holds ``positions[s]``

@@ -1,0 +1,220 @@
+"""The coordinator for DeepSeek-V4: SGLang's HiSparse protocol over the C4 layers' entries.
+
+DeepSeek-V4 (docs/design.md, "DeepSeek-V4") offloads only its C4 attention KV: one entry per 4
+tokens, of which each C4 layer's attention reads the top-k (``index_topk``, 512). SWA, C128 and
+the C4 indexer keys stay on the device as SGLang keeps them. This coordinator works in the
+compressed view: a request's positions are its completed entries (entry ``k``: tokens
+``4k .. 4k + 3``; ``E = tokens // 4`` of them), its logical ids their compressed ids
+(``memory/c4_allocator.py``), and SGLang calls it with compressed lengths and positions
+(``swap_in_selected_pages``) but token-level steps (``map_last_loc_to_buffer``).
+
+Design (ours; the parts are the DSA path's where they fit):
+
+* after a prefill the entries' rows are copied to host (:class:`~sglang_hisparse.memory.c4_mirror.C4Mirror`,
+  staging lane); once copied, the request gets a hot buffer (:class:`~sglang_hisparse.memory.hot_buffers.HotBuffers`
+  over the C4 rows, page 64) made of its first prefill pages: slot ``p`` holds entry ``p``; a long
+  request's newest entry (``E - 1``, which stays newest until the next entry completes) is loaded
+  into slot ``B``, a request with no entry yet opens empty;
+* a decode step whose token completes an entry (``seq_len % 4 == 0``) maps the entry's compressed
+  id to its slot's row (slot ``min(E - 1, B)``; a short buffer grows a page when the entry starts
+  one) so the compressor writes it there; the next step copies it to host (backup lane, the
+  forward after ordered behind it: ``wait_for_pending_backup``);
+* each C4 layer's top-k entries are resolved by our kernel on C4 rows (``RowLayout<584>``).
+
+Residency (a request keeping all its rows while the device has room, the DSA default) is not
+implemented for C4 entries yet: every request is in a hot buffer, said once at start-up. PD
+(``admit_request_direct``) and speculative steps are refused (the server checks refuse them first).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+import torch
+
+from sglang_hisparse.config import HiSparseConfig
+from sglang_hisparse.decode.layers import LayerResolve
+from sglang_hisparse.decode.lifecycle import agreed_count
+from sglang_hisparse.decode.startup import build_resolver, reuse_levels_for
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.c4_allocator import C4_RATIO, completed_entry_ids
+from sglang_hisparse.memory.c4_mirror import C4Mirror
+from sglang_hisparse.memory.hot_buffers import HotBuffers
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES
+from sglang_hisparse.stats import HiSparseTokenStats, token_stats
+
+logger = logging.getLogger(__name__)
+
+
+class C4Coordinator:
+    """Built by our ``HiSparseCoordinator`` for a DeepSeek-V4 allocator (same constructor)."""
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, top_k: int, device_buffer_size: int,
+                 device: str, tp_group, host_to_device_ratio: float = 2, swap_in_block_size: int = 960, *,
+                 config: HiSparseConfig, pin_memory: Optional[bool] = None):
+        self.config, self.tp_group = config, tp_group
+        device = torch.device(device)
+        self.req_to_token_pool, self.allocator = req_to_token_pool, token_to_kv_pool_allocator
+        self.rows, self.device_pool = self.allocator.c4, self.allocator.hisparse_kvcache
+        req_to_token = req_to_token_pool.req_to_token
+        max_reqs = req_to_token.shape[0]
+        capacity = min(int(self.device_pool.size * host_to_device_ratio), self.allocator.get_kvcache().c4_logical_size)
+        self.mirror = C4Mirror(self.device_pool, capacity, max_reqs=max_reqs, max_entries=req_to_token.shape[1] // C4_RATIO,
+                               device=device, pin_memory=device.type == "cuda" if pin_memory is None else pin_memory)
+        self.hot = HotBuffers(self.rows, layers=self.device_pool.layer_num, max_reqs=max_reqs,
+                              buffer_size=device_buffer_size, device=device, history=config.replacement == "reuse")
+        self.allocator.configure(self.hot.padded, self.mirror.pool.capacity_tokens, self.mirror.host_entries_used)
+        # protocol attributes SGLang reads (the components' objects, never rebound)
+        self.mem_pool_host, self.padded_buffer_size = self.mirror.pool, self.hot.padded
+        self.req_to_host_pool, self.req_to_host_pool_allocated_len = self.mirror.row_table, self.mirror.rows_allocated
+        self.raw_indices_buffer = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(2, dtype=torch.int64, device=device)
+        """(selected, misses) over every C4 layer call since start-up."""
+        self._producer_stream = None
+        self._waiting_since: Optional[str] = None
+        resolver = build_resolver(config, device=device, max_reqs=max_reqs, top_k=top_k, row_bytes=C4_ITEM_BYTES,
+                                  buffer_size=device_buffer_size)
+        self._layers = LayerResolve(
+            resolver, layers=self.device_pool.layer_num, max_reqs=max_reqs, top_k=top_k, device=device, hot=self.hot,
+            mirror=self.mirror, device_pool=self.device_pool, counters=self.counters, num_real_reqs=self.num_real_reqs,
+            skip_io=config.skip_io, out=torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device),
+            topk_sources=None, residency_tables={},
+            reuse_levels=reuse_levels_for(device) if config.replacement == "reuse" else None,
+            layer_rows=self.mirror.layer_rows, compress_ratio=C4_RATIO)
+        logger.info("sglang-hisparse coordinator (DeepSeek-V4 C4 layers): B=%d entries, top_k=%d, C4 layers=%d, "
+                    "resolver=%s, %d C4 device rows, %d host rows; residency is not implemented for C4 entries: "
+                    "every request decodes from a hot buffer", device_buffer_size, top_k, self.device_pool.layer_num,
+                    resolver.name, self.rows.device_size, self.mirror.pool.capacity_tokens)
+
+    # --- small protocol members --------------------------------------------------------------
+    def set_decode_producer_stream(self, stream) -> None:
+        self._producer_stream = stream
+        self.mirror.producer_stream = stream
+
+    def has_ongoing_staging(self) -> bool:
+        return self.mirror.staged_count() > 0
+
+    def host_token_len(self, kv_allocated_len: int) -> int:
+        """Host rows of a request with ``kv_allocated_len`` tokens: its completed entries."""
+        return kv_allocated_len // C4_RATIO
+
+    def get_token_stats(self) -> HiSparseTokenStats:
+        return token_stats(self.rows, self.mirror.pool)
+
+    def destroy(self) -> None:
+        self.mirror.drain()
+
+    def _entries(self, req, tokens: int) -> torch.Tensor:
+        """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete."""
+        return completed_entry_ids(self.req_to_token_pool.req_to_token[req.req_pool_idx, :tokens])
+
+    # --- into decode -------------------------------------------------------------------------
+    def admit_request_into_staging(self, req) -> None:
+        """After prefill: copy the request's entries (every C4 layer) to host rows, off the critical path."""
+        self.mirror.stage(req, self.rows.device_rows_of(self._entries(req, req.extend_range.end)))
+
+    def collect_ready_reqs(self) -> List[Any]:
+        """Staged requests, in order, whose copy finished on every rank (MIN all-reduce over the
+        attention TP group), each moved into a hot buffer made of its first prefill pages."""
+        if not self.mirror.staged_count():
+            return []
+        copied = self.mirror.staging.copied_prefix(block=self.config.wait_for_staging)
+        ready = []
+        for req in copied[: agreed_count(len(copied), self.tp_group)]:
+            self._enter_decode(req)
+            self.mirror.staging.pop()
+            ready.append(req)
+        return ready
+
+    def _enter_decode(self, req) -> None:
+        """Open the request's hot buffer from its prefill pages (no free row needed); a long
+        request's newest entry is loaded into slot B from its host row (staged: complete)."""
+        idx, entries = req.req_pool_idx, self._entries(req, req.kv.kv_allocated_len)
+        E, B = entries.numel(), self.hot.buffer_size
+        if E == 0:
+            self.hot.open_empty(idx)
+            return
+        if self.hot.open(idx, entries, filled=True) is None:
+            raise HiSparsePluginError(f"sglang-hisparse: request {req.rid} could not keep its own C4 rows as its hot buffer")
+        if E > B:
+            self.mirror.load(idx, torch.tensor([E - 1]), self.hot.slot_rows[idx, B:B + 1].to(torch.int64))
+
+    def admit_request_direct(self, req) -> None:
+        raise HiSparsePluginError("sglang-hisparse: PD disaggregation with DeepSeek-V4 is not supported yet "
+                                  "(the server checks refuse it at start-up)")
+
+    # --- decode steps --------------------------------------------------------------------------
+    def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
+        """Before a decode step (``seq_lens`` include its token): copy each request's entry the
+        previous step completed to host, then map the entry this step's token completes (if any)
+        to its slot's row, growing a short buffer by a page where the entry starts one."""
+        lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
+        self._back_up_previous_entries(lens, idxs, req_pool_indices)
+        done = [i for i, n in enumerate(lens) if n % C4_RATIO == 0]
+        if not done:
+            return
+        sel = torch.tensor(done, dtype=torch.int64)
+        newest = torch.tensor([lens[i] // C4_RATIO - 1 for i in done], dtype=torch.int64)
+        self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
+        sel_dev = sel.to(req_pool_indices.device)
+        rows = self.hot.rows_of_positions(req_pool_indices[sel_dev], newest.to(req_pool_indices.device))
+        self.rows.map_logical(out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO, rows)
+
+    def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
+        """The entry each request completed in the previous step (the one after its mirrored
+        entries), from its slot to a host row (:meth:`C4Mirror.back_up`)."""
+        rows_i, reqs, entries = [], [], []
+        for i, (n, idx) in enumerate(zip(lens, idxs)):
+            completed = (n - 1) // C4_RATIO
+            if self.mirror.mirrored[idx] < completed:
+                assert self.mirror.mirrored[idx] == completed - 1, "one entry per step at most"
+                rows_i.append(i)
+                reqs.append(idx)
+                entries.append(completed - 1)
+        if reqs:
+            where = torch.tensor(rows_i, dtype=torch.int64).to(req_pool_indices.device)
+            device_rows = self.hot.rows_of_positions(req_pool_indices[where],
+                                                     torch.tensor(entries).to(req_pool_indices.device))
+            self.mirror.back_up(reqs, entries, device_rows)
+
+    def wait_for_pending_backup(self) -> None:
+        """Order the forward after the last backup copy (it may overwrite no row the copy reads
+        in this step, but the ordering keeps the invariant simple: C4Mirror)."""
+        self.mirror.order_forward()
+
+    def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
+        """C4 rows the next decode step of these requests lacks (0: it fits); no side effects."""
+        need = self.hot.step_growth(req_pool_indices, [(n + 1) // C4_RATIO for n in committed_lens])
+        return max(0, need - self.rows.rows.room())
+
+    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
+        """One C4 layer's top-k entries (raw compressed positions; ``seq_lens``: entries) -> device
+        rows, int32 [num_reqs, top_k]. ``layer_id``: the C4 layer index (``compress_layer_id``)."""
+        return self._layers(layer_id, req_pool_indices, seq_lens, top_k_result)
+
+    # --- leaving -----------------------------------------------------------------------------
+    def request_finished(self, req) -> None:
+        """Free everything the request holds here (idempotent): a staged request's prefill rows
+        and host rows; a decoding one's hot buffer, host rows and mapped entries."""
+        idx = req.req_pool_idx
+        if idx is None:
+            return
+        if self.mirror.is_staged(req):
+            self.mirror.staging.drop(req)
+            self.rows.free_prefill_rows(self._entries(req, req.extend_range.end))
+            self.mirror.forget(idx)
+            return
+        self._wait_for_producer()  # the overlapped forward may still read its rows
+        self.mirror.order_after_copies()
+        self.rows.unmap_logical(self._entries(req, req.kv.kv_allocated_len))
+        self.hot.close(idx)
+        self.mirror.forget(idx)
+
+    def retract_req(self, req) -> None:
+        self.request_finished(req)
+
+    def _wait_for_producer(self) -> None:
+        if self._producer_stream is not None:
+            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)

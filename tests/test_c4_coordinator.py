@@ -1,0 +1,198 @@
+"""DeepSeek-V4's coordinator (decode/c4_coordinator.py) driven through SGLang's protocol on CPU.
+
+SGLang's V4 model cannot run on the CPU engine (docs/deepseek_v4/cpu-findings.md), so a stand-in
+plays its part: every C4 entry of every request and layer has known bytes; the "compressor" writes
+an entry where the C4 pool's mapping says (prefill: each completed entry; decode: the entry the
+step's token completes), the "indexer" selects random entries (the newest at times) and the rows
+``swap_in_selected_pages`` returns must hold exactly the selected entries' bytes, in every layer,
+whatever the path (fast, long, misses copied from host). Requests of 0 to 700 entries against
+B = 128, finishing at prefill, in staging, and after decoding; every pool back to its initial
+state at the end. The reference resolver runs the C4 path here; the kernel's C4 path is checked
+against it by tests/test_kernel_emulation.py and on the GPU.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+
+from sglang_hisparse.config import HiSparseConfig
+from sglang_hisparse.decode.c4_coordinator import C4Coordinator
+from sglang_hisparse.memory.c4_allocator import C4Allocator, completed_entry_ids
+from sglang_hisparse.memory.paging import PageAllocator
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+
+TOKEN_PAGE, LAYERS, B, TOP_K = 256, 2, 128, 32
+MAX_REQS, MAX_TOKENS = 6, 4096
+
+
+class Tokens:
+    """Stand-in of SGLang's SWA allocator (token ids, pages of 256) over a C4 pool stand-in."""
+
+    def __init__(self, tokens: int, c4_rows: int):
+        self.pages = PageAllocator(tokens // TOKEN_PAGE, TOKEN_PAGE, "cpu", debug=True)
+        self.page_size, self.size_full, self.size, self.size_swa = TOKEN_PAGE, tokens, tokens, tokens // 8
+        self.need_sort, self.full_to_swa_index_mapping = False, None
+        self.c4_pool = SimpleNamespace(
+            size=c4_rows, dtype=torch.uint8, device=torch.device("cpu"), layer_num=LAYERS, mapping=None,
+            kv_buffer=[torch.zeros(c4_rows // C4_PAGE_ENTRIES + 1, C4_PAGE_BYTES, dtype=torch.uint8)
+                       for _ in range(LAYERS)])
+        self.c4_pool.attach_mapping = lambda t: setattr(self.c4_pool, "mapping", t)
+        self._kvcache = SimpleNamespace(c4_kv_pool=self.c4_pool, c4_logical_size=tokens // 4)
+
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
+        return self.pages.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        step = self.pages.decode(seq_lens_cpu.tolist(), last_loc)
+        return None if step is None else step.ids
+
+    def available_size(self):
+        return self.pages.available_tokens()
+
+    full_available_size = available_size
+
+    def free(self, ids):
+        self.pages.free_tokens(ids.to(torch.int64))
+
+    def debug_print(self):
+        return ""
+
+
+class Rig:
+    """Allocator, coordinator and the model stand-in's truth: entry bytes per (request, layer)."""
+
+    def __init__(self, seed: int, tp_group):
+        self.rng = random.Random(seed)
+        self.tokens = Tokens(1 << 15, 2048)
+        self.alloc = C4Allocator(self.tokens, debug=True)
+        self.rtt = torch.zeros(MAX_REQS, MAX_TOKENS, dtype=torch.int32)
+        config = HiSparseConfig(top_k=TOP_K, device_buffer_size=B, resolver="reference", residency=False)
+        self.coord = C4Coordinator(SimpleNamespace(req_to_token=self.rtt), self.alloc, TOP_K, B, "cpu", tp_group,
+                                   host_to_device_ratio=4, config=config, pin_memory=False)
+        self.truth: dict[int, torch.Tensor] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+        self.initial = self.free_counts()
+
+    def free_counts(self) -> tuple:
+        return (self.tokens.pages.available_tokens(), self.alloc.c4.rows.room(), self.coord.mirror.pool.available_size(),
+                int(self.alloc.c4.mapping.logical_to_device[:-1].count_nonzero()))
+
+    def write_entries(self, idx: int, token_ids: torch.Tensor, first_token: int) -> None:
+        """The compressor: each entry these tokens complete, written at its mapped row, every layer."""
+        entries = completed_entry_ids(token_ids)
+        positions = (first_token + torch.nonzero(token_ids % 4 == 3).view(-1)) // 4
+        rows = self.tokens.c4_pool.mapping[entries]
+        assert bool((rows > 0).all()), "a completed entry has no row to be written to"
+        for layer in range(LAYERS):
+            C4PagedRows(self.tokens.c4_pool.kv_buffer[layer]).write(rows, self.truth[idx][layer, positions])
+
+    def prefill(self, idx: int, tokens: int):
+        self.truth[idx] = torch.randint(0, 256, (LAYERS, MAX_TOKENS // 4, C4_ITEM_BYTES), dtype=torch.uint8,
+                                        generator=self.gen)
+        z, n = torch.tensor([0]), torch.tensor([tokens])
+        ids = self.alloc.alloc_extend(z, z, n, n, torch.tensor([-1]), tokens)
+        assert ids is not None
+        self.rtt[idx, :tokens] = ids.to(torch.int32)
+        self.write_entries(idx, ids, 0)
+        req = SimpleNamespace(req_pool_idx=idx, rid=f"r{idx}", extend_range=SimpleNamespace(end=tokens),
+                              kv=SimpleNamespace(kv_allocated_len=tokens))
+        self.coord.admit_request_into_staging(req)
+        return req
+
+    def step(self, reqs: list) -> None:
+        """One decode step of ``reqs``: SGLang's calls, the compressor, then a check of every layer."""
+        idxs = torch.tensor([r.req_pool_idx for r in reqs])
+        lens = torch.tensor([r.kv.kv_allocated_len + 1 for r in reqs])
+        last = self.rtt[idxs, lens - 2].to(torch.int64)
+        ids = self.alloc.alloc_decode(lens, lens, last)
+        self.rtt[idxs, lens - 1] = ids.to(torch.int32)
+        self.coord.map_last_loc_to_buffer(lens, ids, idxs, lens, idxs)
+        for r, n, tok in zip(reqs, lens.tolist(), ids):
+            r.kv.kv_allocated_len = n
+            self.write_entries(r.req_pool_idx, tok.view(1), n - 1)
+        self.coord.wait_for_pending_backup()
+        self.check_layers(reqs)
+
+    def check_layers(self, reqs: list) -> None:
+        entries = [r.kv.kv_allocated_len // 4 for r in reqs]
+        top = torch.full((len(reqs), TOP_K), -1, dtype=torch.int32)
+        for i, E in enumerate(entries):
+            picks = self.rng.sample(range(E), min(E, TOP_K - 1)) if E else []
+            if E and self.rng.random() < 0.5 and E - 1 not in picks:
+                picks.append(E - 1)
+            top[i, : len(picks)] = torch.tensor(picks, dtype=torch.int32)
+        idxs = torch.tensor([r.req_pool_idx for r in reqs])
+        self.coord.num_real_reqs.fill_(len(reqs))  # as SGLang's model runner does before a decode forward
+        for layer in range(LAYERS):
+            rows = self.coord.swap_in_selected_pages(idxs, torch.tensor(entries, dtype=torch.int32), top, layer)
+            view = C4PagedRows(self.tokens.c4_pool.kv_buffer[layer])
+            for i, r in enumerate(reqs):
+                sel = top[i][top[i] >= 0].long()
+                got = view.read(rows[i, : sel.numel()].long())
+                assert torch.equal(got, self.truth[r.req_pool_idx][layer, sel]), \
+                    f"layer {layer} request {r.rid} (E={entries[i]}) read wrong entry bytes"
+                assert bool((rows[i, sel.numel():] == -1).all())
+
+    def finish(self, req) -> None:
+        self.coord.request_finished(req)
+        self.alloc.free(self.rtt[req.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64))
+
+
+def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(gloo_world):
+    rig = Rig(seed=3, tp_group=gloo_world)
+    lengths = [2, 9, 515, 600, 2203, 2900]  # 0 .. 725 entries: empty, fast path, crossing B, long
+    reqs = [rig.prefill(i, n) for i, n in enumerate(lengths)]
+    assert rig.coord.has_ongoing_staging()
+    ready = rig.coord.collect_ready_reqs()
+    assert [r.rid for r in ready] == [r.rid for r in reqs] and not rig.coord.has_ongoing_staging()
+    rig.check_layers(reqs)
+    for _ in range(13):  # every phase of 4, entries completed and backed up
+        rig.step(reqs)
+    for r in reqs[:3]:
+        rig.finish(r)
+    for _ in range(6):
+        rig.step(reqs[3:])
+    for r in reqs[3:]:
+        rig.finish(r)
+    assert rig.free_counts() == rig.initial
+
+
+def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world):
+    """From the fast path (E <= B) into the long path: the entry B lands in slot B, older entries
+    are then read from their slots or from host."""
+    rig = Rig(seed=5, tp_group=gloo_world)
+    req = rig.prefill(0, 4 * B - 6)  # B - 2 entries; entry B completes 10 steps later
+    rig.coord.collect_ready_reqs()
+    for _ in range(40):
+        rig.step([req])
+    assert req.kv.kv_allocated_len // 4 > B + 5
+    rig.finish(req)
+    assert rig.free_counts() == rig.initial
+
+
+def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_world):
+    rig = Rig(seed=7, tp_group=gloo_world)
+    staged = rig.prefill(0, 1000)
+    rig.finish(staged)  # aborted while its copy to host is queued
+    at_prefill = rig.prefill(1, 300)
+    rig.coord.collect_ready_reqs()
+    rig.finish(at_prefill)  # finished right after prefill (one token)
+    never_staged = rig.prefill(2, 77)
+    rig.coord.collect_ready_reqs()
+    rig.finish(never_staged)
+    assert rig.free_counts() == rig.initial
+
+
+def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world):
+    rig = Rig(seed=9, tp_group=gloo_world)
+    req = rig.prefill(0, 1030)
+    assert rig.coord.host_token_len(1030) == 257
+    assert int(rig.coord.req_to_host_pool_allocated_len[0]) == 320  # whole pages of 64 entries
+    rig.coord.collect_ready_reqs()
+    stats = rig.coord.get_token_stats()
+    assert stats.host_tokens == 320 and stats.device_tokens == rig.coord.padded_buffer_size
+    assert rig.coord.device_rows_short([0], [1030]) == 0
+    rig.finish(req)
