@@ -110,7 +110,8 @@ class HotBuffers:
         """Give request slot ``idx`` a hot buffer with no position yet (a DeepSeek-V4 request
         shorter than one C4 entry): no rows (its first page comes with its first position,
         :meth:`grow`), tables as :meth:`open` ``filled`` leaves them (slot ``p`` will hold
-        position ``p``)."""
+        position ``p``). If it never gets a row, :meth:`close` has nothing to give back and leaves
+        these tables as they are; every way of opening a buffer sets them again."""
         self.capacity[idx] = 0
         self.slot_positions[:, idx] = self._slot_numbers
         if self.slot_map is not None:
