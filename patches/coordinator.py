@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_hisparse.decode.c4_coordinator import C4Coordinator
 from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.managers.hisparse_coordinator.HiSparseCoordinator"
 CHECKED_AGAINST = "0.5.17"
 ROLE = "coordinator"
 IMPLEMENTATION = HiSparseCoordinator
+ALSO_BUILDS = (C4Coordinator,)
+"""What ``HiSparseCoordinator(...)`` returns for a DeepSeek-V4 allocator (the self-check accepts it)."""
 
 
 def register(registry: Any) -> None:

@@ -11,8 +11,9 @@ reuses its newest slot. For batches on our allocator this hook checks both: the 
 host rows (``decode_available_size()``) against SGLang's count of the step's new tokens, and the
 device rows against what the coordinator says the step lacks after demoting resident requests
 (``HiSparseCoordinator.device_rows_short``). So SGLang retracts exactly when the device rows the
-step needs cannot be found, as it does without HiSparse when its pool is full. Any other batch
-runs SGLang's original check unchanged.
+step needs cannot be found, as it does without HiSparse when its pool is full. A DeepSeek-V4 batch
+(our ``C4Allocator``) runs SGLang's check of its token ids, then the C4 rows the step's new entries
+need (``C4Coordinator.device_rows_short``). Any other batch runs SGLang's original check unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from sglang_hisparse.memory.allocator import HiSparseAllocator
+from sglang_hisparse.memory.c4_allocator import C4Allocator
 from sglang_hisparse.errors import HiSparsePluginError
 
 TARGET = "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem"
@@ -28,10 +30,12 @@ CHECKED_AGAINST = "0.5.17"
 
 def check_decode_mem(original: Callable[..., bool], batch: Any, selected_indices: Optional[list] = None) -> bool:
     allocator = batch.token_to_kv_pool_allocator
-    if not isinstance(allocator, HiSparseAllocator):
+    if isinstance(allocator, C4Allocator):
+        if not original(batch, selected_indices):
+            return False
+    elif not isinstance(allocator, HiSparseAllocator):
         return original(batch, selected_indices)
-    needed = batch.new_tokens_required_next_decode(selected_indices)
-    if allocator.decode_available_size() < needed:
+    elif allocator.decode_available_size() < batch.new_tokens_required_next_decode(selected_indices):
         return False
     coordinator = getattr(batch, "hisparse_coordinator", None)
     if coordinator is None:

@@ -30,10 +30,11 @@ def scheduler_objects(scheduler: Any) -> dict[str, Any]:
     """The HiSparse objects a scheduler holds, by role."""
     allocator = getattr(scheduler, "token_to_kv_pool_allocator", None)
     get_kvcache = getattr(allocator, "get_kvcache", None)
+    c4_pool = getattr(allocator, "hisparse_kvcache", None)  # DeepSeek-V4: the pool HiSparse serves is its C4 pool
     return {
         "coordinator": getattr(scheduler, "hisparse_coordinator", None),
         "allocator": allocator,
-        "device_pool": get_kvcache() if callable(get_kvcache) else None,
+        "device_pool": c4_pool if c4_pool is not None else (get_kvcache() if callable(get_kvcache) else None),
     }
 
 
@@ -73,14 +74,14 @@ def _cell_holds(cell: Any, value: Any) -> bool:
 
 
 def make_hook(
-    expected: Mapping[str, type], version_problem: Optional[str],
+    expected: Mapping[str, tuple[type, ...]], version_problem: Optional[str],
     hooks: Sequence[tuple[str, Any]] = (),
 ) -> Callable[..., None]:
     """Build the AFTER hook.
 
     Args:
-        expected: role -> the class this plugin registered for it. A role missing here has no
-            implementation of ours yet, so HiSparse must not start.
+        expected: role -> the classes this plugin registered for it (DSA's and DeepSeek-V4's). A
+            role missing here has no implementation of ours yet, so HiSparse must not start.
         version_problem: a message when the installed SGLang is unsupported, else None.
         hooks: every ``(target, hook)`` the plugin registered (read when the hook runs).
     """
@@ -93,15 +94,13 @@ def make_hook(
         objects = scheduler_objects(scheduler)
         problems = []
         for role in ROLES:
-            cls = expected.get(role)
+            classes = expected.get(role)
             obj = objects[role]
-            if cls is None:
+            if not classes:
                 problems.append(f"{role}: sglang-hisparse has no implementation yet")
-            elif not isinstance(obj, cls):
-                problems.append(
-                    f"{role}: expected {cls.__module__}.{cls.__qualname__}, "
-                    f"found {type(obj).__module__}.{type(obj).__qualname__}"
-                )
+            elif not isinstance(obj, tuple(classes)):
+                names = " or ".join(f"{c.__module__}.{c.__qualname__}" for c in classes)
+                problems.append(f"{role}: expected {names}, found {type(obj).__module__}.{type(obj).__qualname__}")
         problems += [f"hook not applied: {target}" for target in unapplied(hooks)]
         if problems:
             raise HiSparsePluginError(
@@ -115,7 +114,7 @@ def make_hook(
     return check_hisparse_objects
 
 
-def register(registry: Any, expected: Mapping[str, type], version_problem: Optional[str],
+def register(registry: Any, expected: Mapping[str, tuple[type, ...]], version_problem: Optional[str],
              hooks: Sequence[tuple[str, Any]] = ()) -> None:
     from sglang.srt.plugins.hook_registry import HookType
 

@@ -95,9 +95,11 @@ def launched_as_server_command() -> bool:
 def check_hisparse(server_args: Any) -> None:
     """Every launcher check; raises ``HiSparseConfigError`` or ``HiSparsePluginError`` (one line)."""
     config = config_from_server_args(server_args)
-    check_server_settings(read_settings(server_args))
+    settings = read_settings(server_args)
+    check_server_settings(settings)
     check_speculative_config(config)
-    check_pool_bound(config, server_args)
+    if not settings.is_deepseek_v4:  # V4's C4 rows are sized by SGLang's V4 pool configurator, not this bound
+        check_pool_bound(config, server_args)
     resolver = choose_resolver(config.resolver, platform_of(kv_device(server_args)))
     if resolver == "cuda":
         check_kernel_buffer_size(config)

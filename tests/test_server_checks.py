@@ -40,7 +40,6 @@ def test_a_supported_server_passes():
 @pytest.mark.parametrize(
     "change, fragment",
     [
-        (dict(is_deepseek_v4=True, is_dsa_model=False), "DeepSeek-V4"),
         (dict(is_dsa_model=False, architecture="Qwen2ForCausalLM"), "Qwen2ForCausalLM has no DSA indexer"),
         (dict(disable_radix_cache=False), "requires --disable-radix-cache"),
         (dict(kv_cache_dtype="fp8_e5m2"), "invalid --kv-cache-dtype=fp8_e5m2"),
@@ -53,6 +52,34 @@ def test_a_supported_server_passes():
 def test_unsupported_settings_are_refused(change, fragment):
     with pytest.raises(HiSparseConfigError) as info:
         check_server_settings(dataclasses.replace(GOOD, **change))
+    assert fragment in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+V4 = dataclasses.replace(GOOD, architecture="DeepseekV4ForCausalLM", is_deepseek_v4=True, is_dsa_model=False,
+                         kv_cache_dtype="fp8_e4m3", dsa_prefill_backend=None, dsa_decode_backend=None)
+
+
+def test_deepseek_v4_is_served_colocated():
+    check_server_settings(V4)
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (dict(disable_radix_cache=False), "requires --disable-radix-cache"),
+        (dict(enable_mixed_chunk=True), "--enable-mixed-chunk is not supported"),
+        (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1),
+         "--speculative-algorithm=EAGLE with DeepSeek-V4 is not supported"),
+        (dict(disaggregation_mode="decode"), "--disaggregation-mode=decode with DeepSeek-V4 is not supported"),
+        (dict(disaggregation_mode="prefill"), "--disaggregation-mode=prefill is not supported"),
+        (dict(pp_size=2), "--pp-size=2"),
+        (dict(dcp_size=2), "--dcp-size=2"),
+    ],
+)
+def test_deepseek_v4_settings_ours_cannot_serve_are_refused(change, fragment):
+    with pytest.raises(HiSparseConfigError) as info:
+        check_server_settings(dataclasses.replace(V4, **change))
     assert fragment in str(info.value)
     assert "\n" not in str(info.value)
 

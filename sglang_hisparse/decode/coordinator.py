@@ -55,7 +55,17 @@ class HiSparseCoordinator:
     """Constructor arguments are SGLang's; the keywords are ours: without ``config`` the typed
     config is read from SGLang's published server arguments and must agree with them, and the
     layers' top-k sources (IndexShare) are the served model's; with it, ``topk_sources`` (per
-    layer, the layer whose top-k it reuses; default: every layer its own)."""
+    layer, the layer whose top-k it reuses; default: every layer its own).
+
+    A DeepSeek-V4 server (its allocator is our ``C4Allocator``) gets a
+    :class:`~sglang_hisparse.decode.c4_coordinator.C4Coordinator` from the same call instead."""
+
+    def __new__(cls, req_to_token_pool=None, token_to_kv_pool_allocator=None, *args, **kwargs):
+        from sglang_hisparse.memory.c4_allocator import C4Allocator
+
+        if isinstance(token_to_kv_pool_allocator, C4Allocator):
+            return build_c4_coordinator(req_to_token_pool, token_to_kv_pool_allocator, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -236,3 +246,15 @@ class HiSparseCoordinator:
         """Order the current stream after the overlapped forward in flight (if any)."""
         if self._producer_stream is not None:
             torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
+
+
+def build_c4_coordinator(req_to_token_pool, allocator, top_k: int, device_buffer_size: int, device: str, tp_group,
+                         host_to_device_ratio: int = 2, swap_in_block_size: int = 960, *,
+                         config: Optional[HiSparseConfig] = None, pin_memory: Optional[bool] = None, **_ours: Any):
+    """The DeepSeek-V4 coordinator for SGLang's constructor call (the typed config read as for DSA)."""
+    from sglang_hisparse.decode.c4_coordinator import C4Coordinator
+
+    if config is None:
+        config = published_config((top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size))
+    return C4Coordinator(req_to_token_pool, allocator, top_k, device_buffer_size, device, tp_group,
+                         host_to_device_ratio, swap_in_block_size, config=config, pin_memory=pin_memory)

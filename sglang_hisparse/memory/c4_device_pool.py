@@ -22,6 +22,7 @@ in the host pool, ``memory/c4_host_pool.py``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -31,6 +32,17 @@ from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PA
 
 C4_RATIO = 4
 """Tokens per compressed entry."""
+
+_active: Optional["weakref.ReferenceType[C4DevicePool]"] = None
+"""The pool whose mapping was attached last in this process (one served model per scheduler
+process; speculative drafts are refused with DeepSeek-V4): read by the sparse-prefill seam."""
+
+
+def active_c4_mapping() -> Optional[torch.Tensor]:
+    """The compressed id -> device row mapping of this process's C4 pool, or None when none is
+    ours (HiSparse off, or not a DeepSeek-V4 model)."""
+    pool = _active() if _active is not None else None
+    return None if pool is None else pool.logical_to_device
 
 
 class C4DevicePool(DeepSeekV4SingleKVPool):
@@ -54,13 +66,16 @@ class C4DevicePool(DeepSeekV4SingleKVPool):
     # --- the mapping ------------------------------------------------------------------------
     def attach_mapping(self, logical_to_device: torch.Tensor) -> None:
         """Hold the allocator's mapping (1-D int64 on this pool's device), written in place only by
-        its owner. Called once, before any KV write."""
+        its owner. Called once, before any KV write. Side effect: this pool's mapping is the
+        process's active one (:func:`active_c4_mapping`)."""
         if logical_to_device.dim() != 1 or logical_to_device.dtype != torch.int64:
             raise ValueError("sglang-hisparse: the C4 mapping is a 1-D int64 tensor, got "
                              f"{logical_to_device.dtype} {tuple(logical_to_device.shape)}")
         if logical_to_device.device.type != torch.device(self.device).type:
             raise ValueError(f"sglang-hisparse: the C4 mapping is on {logical_to_device.device}, the pool on {self.device}")
         self.logical_to_device = logical_to_device
+        global _active
+        _active = weakref.ref(self)
 
     register_mapping = attach_mapping
     """The name SGLang's own V4 HiSparse allocator calls (``allocator/hisparse.py``)."""

@@ -38,6 +38,7 @@ def version_problem(version: str) -> Optional[str]:
 def function_seams() -> list[ModuleType]:
     """Seams that hook functions or methods (no class replacement)."""
     from sglang_hisparse.patches import (
+        c4_sparse_prefill,
         config_parser,
         decode_memory_check,
         draft_runner,
@@ -53,7 +54,7 @@ def function_seams() -> list[ModuleType]:
     )
 
     seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction,
-             pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft]
+             pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft, c4_sparse_prefill]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,
@@ -79,9 +80,9 @@ def cpu_platform() -> bool:
 
 def class_seams() -> list[ModuleType]:
     """Seams that replace an upstream class with ours; each has ROLE and IMPLEMENTATION."""
-    from sglang_hisparse.patches import allocator, coordinator, device_pool
+    from sglang_hisparse.patches import allocator, c4_allocator, c4_device_pool, coordinator, device_pool
 
-    return [device_pool, allocator, coordinator]
+    return [device_pool, allocator, c4_device_pool, c4_allocator, coordinator]
 
 
 class _Recording:
@@ -121,7 +122,7 @@ def register(
         return []
 
     # Filled as each seam registers; the self-check reads them when it runs.
-    expected: dict[str, type] = {}
+    expected: dict[str, tuple[type, ...]] = {}
     hooks: list = []
     self_check.register(registry, expected=expected, version_problem=None, hooks=hooks)
     recording = _Recording(registry, hooks)
@@ -129,7 +130,7 @@ def register(
         seam.register(recording)
     for seam in class_seams() if seams is None else seams:
         seam.register(recording)
-        expected[seam.ROLE] = seam.IMPLEMENTATION
+        expected[seam.ROLE] = expected.get(seam.ROLE, ()) + (seam.IMPLEMENTATION,) + getattr(seam, "ALSO_BUILDS", ())
     logger.info("sglang-hisparse %s: hooks registered for SGLang %s", _own_version(), version)
     return hooks
 

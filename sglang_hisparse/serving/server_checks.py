@@ -51,11 +51,8 @@ class ServerSettings:
 def check_server_settings(s: ServerSettings) -> None:
     """Raise :class:`HiSparseConfigError` for the first setting HiSparse cannot serve."""
     if s.is_deepseek_v4:
-        raise HiSparseConfigError(
-            f"--enable-hisparse: model {s.architecture} (DeepSeek-V4) is not supported by "
-            "sglang-hisparse, which serves DSA models (DeepSeek-V3.2, GLM-5); set "
-            "SGLANG_PLUGINS to names that exclude 'hisparse' to use SGLang's own HiSparse"
-        )
+        _check_deepseek_v4(s)
+        return
     if not s.is_dsa_model:
         raise HiSparseConfigError(
             f"--enable-hisparse: model {s.architecture} has no DSA indexer; HiSparse serves "
@@ -88,6 +85,28 @@ def check_server_settings(s: ServerSettings) -> None:
         raise HiSparseConfigError(
             f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)"
         )
+    _check_parallel_layout(s)
+
+
+def _check_deepseek_v4(s: ServerSettings) -> None:
+    """DeepSeek-V4 (its C4 layers' entries go through HiSparse; SGLang picks its attention
+    backend and KV dtype itself): colocated serving without speculation."""
+    if not s.disable_radix_cache:
+        raise HiSparseConfigError("--enable-hisparse requires --disable-radix-cache (each request owns its KV)")
+    if s.enable_mixed_chunk:
+        raise HiSparseConfigError(
+            "--enable-hisparse: --enable-mixed-chunk is not supported (decode requests must not share a batch "
+            "with prefill chunks)")
+    if s.speculative_algorithm:
+        raise HiSparseConfigError(
+            f"--enable-hisparse: --speculative-algorithm={s.speculative_algorithm} with DeepSeek-V4 is not "
+            "supported (SGLang 0.5.17 does not call HiSparse from V4's draft and verify steps): leave it unset")
+    if s.disaggregation_mode == "decode":
+        raise HiSparseConfigError(
+            "--enable-hisparse: --disaggregation-mode=decode with DeepSeek-V4 is not supported by sglang-hisparse "
+            "yet (allowed: --disaggregation-mode null)")
+    if s.pp_size != 1:
+        raise HiSparseConfigError(f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)")
     _check_parallel_layout(s)
 
 
