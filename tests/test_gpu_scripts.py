@@ -372,3 +372,77 @@ def test_the_profile_summary_splits_a_step_into_ours_sglangs_and_the_devices():
     assert summary["forward_tree"] == {"replay": 30.0, "replay/replay_prepare": 8.0}  # below 5 us left out
     with pytest.raises(ValueError, match="run_batch calls"):
         profile_summary.summarize(synthetic_decode_trace(iterations=2), skip=1)
+
+
+def test_v4_probe_arguments_environments_and_comparison(tmp_path):
+    """scripts/gpu/v4_probe.py (the DeepSeek-V4 upstream baseline): its arguments, the server flags
+    and environment of each implementation, the prompts and the token-by-token comparison; with a
+    server that cannot start, the JSON still comes back with the log tail (no GPU needed)."""
+    import v4_probe
+
+    from sglang_hisparse.serving.launcher import MODELS_DIR
+
+    args = v4_probe.parse_args(["--out", str(tmp_path / "v.json")])
+    assert args.impl_list == ["none", "upstream", "ours"] and len(args.length_list) == 8
+    config = json.loads((MODELS_DIR / args.model / "config.json").read_text())
+    hisparse = json.loads(args.hisparse_config)
+    dbs = hisparse["device_buffer_size"]
+    assert dbs % 64 == 0 and dbs >= config["index_topk"] == hisparse["top_k"]
+    assert any(n <= dbs * 4 for n in args.length_list) and any(n > dbs * 4 for n in args.length_list)
+    assert max(args.length_list) + args.new_tokens <= config["max_position_embeddings"]
+    # widths SGLang 0.5.17's V4 kernels take on sm90 (docs/deepseek_v4/gpu-probe.md)
+    assert config["num_attention_heads"] % 64 == 0 and config["index_n_heads"] == 64
+    assert config["num_attention_heads"] % config["o_groups"] == 0 and config["head_dim"] == 512
+    assert sorted(set(config["compress_ratios"])) == [0, 4, 128]
+    assert "--disable-cuda-graph" in v4_probe.server_flags(args)
+    assert "--grammar-backend" in v4_probe.server_flags(args)  # the V4-slim site has no xgrammar bindings
+    assert "--disable-cuda-graph" not in v4_probe.server_flags(v4_probe.parse_args(["--graph"]))
+    assert v4_probe.server_env("upstream", args)["SGLANG_PLUGINS"] == "hisparse_dummy_init"
+    assert "SGLANG_PLUGINS" not in v4_probe.server_env("none", args)
+    assert v4_probe.server_env("none", args)["SGLANG_OPT_FP8_WO_A_GEMM"] == "0"
+    extra = v4_probe.parse_args(["--extra-env", "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=0"])
+    assert v4_probe.server_env("none", extra)["SGLANG_OPT_FLASHMLA_SPARSE_PREFILL"] == "0"
+    assert "SGLANG_PLUGINS" not in v4_probe.server_env("ours", args)  # ours: every plugin of ours loaded
+    for bad in (["--impls", "theirs"], ["--lengths", "1k"], ["--hisparse-config", "{"], ["--extra-env", "X"]):
+        with pytest.raises((SystemExit, ValueError)):
+            v4_probe.parse_args(bad)
+    a, b = v4_probe.prompts([5, 7], 2048, seed=1)
+    assert (len(a), len(b)) == (5, 7) and min(a + b) >= 2 and max(a + b) < 2048
+    assert v4_probe.prompts([5], 2048, seed=1)[0] == a
+    assert v4_probe.first_diff([1, 2, 3], [1, 2, 3]) is None
+    assert v4_probe.first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert v4_probe.first_diff([1, 2], [1, 2, 3]) == 2 and v4_probe.first_diff(None, [1]) == -1
+    results = {"none": {"requests": [{"output_ids": [1, 2]}, {"output_ids": [3, 4]}]},
+               "upstream": {"requests": [{"output_ids": [1, 2]}, {"output_ids": [3, 9]}]}}
+    cmp = v4_probe.compare(results, [10, 20])
+    assert cmp["baseline"] == "none" and cmp["identical"] is False
+    assert cmp["against"]["upstream"]["per_request"] == [{"prompt_len": 10, "first_diff": None},
+                                                        {"prompt_len": 20, "first_diff": 1}]
+    assert v4_probe.compare({"none": results["none"], "upstream": {"started": False}}, [10, 20])["identical"] is None
+
+
+def test_v4_probe_reports_a_server_that_does_not_start(tmp_path, monkeypatch):
+    import v4_probe
+
+    def no_server(**kwargs):
+        log = v4_probe.LOG_DIR / f"{kwargs['name']}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("server_args=ServerArgs(enable_hisparse=True)\nDSV4 pool sizes: c4=1\n"
+                       "Traceback (most recent call last):\nRuntimeError: boom\n")
+        raise RuntimeError(f"{kwargs['name']} exited with 1:\nRuntimeError: boom")
+
+    monkeypatch.setattr(v4_probe, "LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(v4_probe, "start_server", no_server)
+    monkeypatch.setattr(v4_probe, "device_info", lambda: {"nvidia_smi": "none"})
+    out = tmp_path / "v.json"
+    assert v4_probe.main(["--lengths", "8,16", "--out", str(out)]) == 1
+    assert v4_probe.main(["--lengths", "8,16", "--sequential", "--out", str(tmp_path / "s.json")]) == 1
+    report = json.loads(out.read_text())
+    assert list(report["impls"]) == ["none", "upstream", "ours"] and report["model_config"]["vocab_size"] == 2048
+    assert json.loads(report["impls"]["ours"]["hisparse_config"]) == json.loads(report["impls"]["upstream"]["hisparse_config"])
+    assert report["parallel"] is True
+    row = report["impls"]["upstream"]
+    assert row["started"] is False and "boom" in row["error"]
+    assert row["env"]["SGLANG_PLUGINS"] == "hisparse_dummy_init" and json.loads(row["hisparse_config"])["top_k"] == 512
+    assert row["pool_lines"] == ["DSV4 pool sizes: c4=1"] and row["log_tail"][-1] == "RuntimeError: boom"
+    assert report["compare"]["identical"] is None

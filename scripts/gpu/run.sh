@@ -6,6 +6,9 @@
 #   .site/sglang_hisparse-*.whl our wheel (pip wheel --no-deps -w .site .)
 #   .site/pd.tar.xz            optional: mooncake's transfer engine and sglang-router's MiniLB for a real PD
 #                              pair (scripts/gpu/build_pd_bundle.sh)
+#   .site/v4.tar.xz            optional: TileLang + libz3 for DeepSeek-V4 (scripts/gpu/build_v4_bundle.sh)
+#   .site/site-v4.tar.xz       used instead of site.tar.xz when that is not carried: the V4-slim site
+#                              (build_v4_bundle.sh --slim-site), so that site + v4 bundle fit one call
 #   .jit/*.tar.xz              optional: JIT caches brought back by an earlier call (carry .jit)
 # Usage: bash scripts/gpu/run.sh <job> [args...] [+ <job> [args...] ...]   (jobs run in order)
 #   job = kernel  -> bash scripts/gpu/kernel_suite.sh
@@ -26,6 +29,9 @@
 #                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
 #   job = probe   -> nvcc scripts/gpu/slot_hash_probe.cu, run it [args...] > $OUT/slot_hash_probe.jsonl
 #                    (the planning-floor micro-benchmark, docs/kernel.md; standalone CUDA, no Python)
+#   job = v4probe -> python scripts/gpu/v4_probe.py [args...]   (SGLang's DeepSeek-V4 on tiny-dsv4: no
+#                    HiSparse vs SGLang's own, token by token, $OUT/v4probe.json; carry .site/v4.tar.xz,
+#                    docs/deepseek_v4/gpu-probe.md)
 # Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
 # (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
 # files, the device tool's limit (scripts/gpu/pack_outputs.py).
@@ -33,8 +39,12 @@ set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 log() { echo "[run +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/run.log"; }
+# the site: .site/site.tar.xz, or when that is not carried .site/site-v4.tar.xz (the V4-slim site of
+# scripts/gpu/build_v4_bundle.sh --slim-site: no xgrammar bindings, --grammar-backend none only)
+SITE_ARCHIVE=.site/site.tar.xz; [ -f "$SITE_ARCHIVE" ] || SITE_ARCHIVE=.site/site-v4.tar.xz
 if [ ! -f /tmp/site/.ok ]; then
-  python3 -c "import tarfile; tarfile.open('.site/site.tar.xz').extractall('/tmp/site')" || { log "cannot extract .site/site.tar.xz"; exit 2; }
+  python3 -c "import tarfile; tarfile.open('$SITE_ARCHIVE').extractall('/tmp/site')" || { log "cannot extract $SITE_ARCHIVE"; exit 2; }
+  log "extracted $SITE_ARCHIVE"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .site/sglang_hisparse-*.whl >/dev/null 2>&1 \
     || { log "cannot install our wheel"; exit 2; }
   touch /tmp/site/.ok
@@ -55,6 +65,28 @@ if [ -f .site/pd.tar.xz ] && [ ! -f /tmp/site/.pd_ok ]; then
   log "PD bundle: system libraries carried in: $(ls /tmp/pd_libs | tr '\n' ' ')${missing:+; still missing: $missing}"
   touch /tmp/site/.pd_ok
 fi
+# optional: .site/v4.tar.xz (scripts/gpu/build_v4_bundle.sh), TileLang and libz3 for DeepSeek-V4's mHC
+# kernels; the CUTLASS headers it shares with DeepGEMM come back from /tmp/site/deep_gemm/include
+if [ -f .site/v4.tar.xz ] && [ ! -f /tmp/site/.v4_ok ]; then
+  python3 -c "import tarfile; tarfile.open('.site/v4.tar.xz').extractall('/tmp/v4_bundle')" || { log "cannot extract .site/v4.tar.xz"; exit 2; }
+  cp -a /tmp/v4_bundle/site/. /tmp/site/ && rm -rf /tmp/v4_bundle
+  cutlass=/tmp/site/tilelang/3rdparty/cutlass/include
+  if [ -f $cutlass/.fill_from_deep_gemm ]; then
+    python3 -c "
+import os, shutil, sys
+src, dst = '/tmp/site/deep_gemm/include', sys.argv[1]
+for top in ('cute', 'cutlass'):  # copy what is missing, overwrite nothing (TileLang's own differing headers stay)
+    for d, _, files in os.walk(os.path.join(src, top)):
+        for f in files:
+            out = os.path.join(dst, os.path.relpath(os.path.join(d, f), src))
+            if not os.path.exists(out):
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                shutil.copy2(os.path.join(d, f), out)
+" $cutlass || { log "cannot fill TileLang's CUTLASS headers"; exit 2; }
+  fi
+  log "V4 bundle: $(ls -d /tmp/site/tilelang-*.dist-info 2>/dev/null | xargs -n1 basename), $(find $cutlass -type f | wc -l) CUTLASS headers"
+  touch /tmp/site/.v4_ok
+fi
 if [ -d /tmp/pd_libs ]; then
   export LD_LIBRARY_PATH=/tmp/pd_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   PYTHONPATH=/tmp/site python3 -c "import torch; from mooncake.engine import TransferEngine" 2>&1 | tail -1 | sed 's/^/[pd bundle] /' \
@@ -68,6 +100,7 @@ done
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 export TVM_FFI_CACHE_DIR=/tmp/jit/tvm-ffi DG_JIT_CACHE_DIR=/tmp/jit/deep_gemm SGLANG_DG_CACHE_DIR=/tmp/jit/deep_gemm
 export TRITON_CACHE_DIR=/tmp/jit/triton FLASHINFER_WORKSPACE_BASE=/tmp/jit/flashinfer SGLANG_CACHE_DIR=/tmp/jit/sglang
+export TILELANG_CACHE_DIR=/tmp/jit/tilelang  # TileLang's kernel cache (V4's mHC), packed with the others
 export SGLANG_HISPARSE_DUMMY_INIT=normal OUT
 rm -rf /tmp/e2e_logs  # a warm machine keeps the last call's server logs; bring back only this call's
 log "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | head -1); python $(python3 -V 2>&1)"
@@ -98,6 +131,7 @@ run_job() {
               | tee -a "$OUT/run.log" ;;
     demo) python3 -m sglang_hisparse.tools.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     probe) run_probe "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    v4probe) python3 scripts/gpu/v4_probe.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac
   local job_rc=${PIPESTATUS[0]}
