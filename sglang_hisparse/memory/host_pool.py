@@ -22,10 +22,12 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
+from sglang_hisparse.memory.host_rows import RequestRowRecord
+
 logger = logging.getLogger(__name__)
 
 
-class HiSparseHostPool(MLATokenToKVPoolHost):
+class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
     def __init__(self, device_pool, host_to_device_ratio: float, page_size: int, pin_memory: bool):
         super().__init__(
             device_pool=device_pool,
@@ -46,98 +48,6 @@ class HiSparseHostPool(MLATokenToKVPoolHost):
     def capacity_tokens(self) -> int:
         """Rows this pool can hand out (whole pages)."""
         return (self.logical_size // self.page_size) * self.page_size
-
-    # --- rows of one request -----------------------------------------------------------------
-    def alloc_paged_token_slots(
-        self,
-        req_to_host_pool: torch.Tensor,
-        req_to_host_pool_allocated_len: torch.Tensor,
-        req_pool_idx: int,
-        start_pos: int,
-        num_tokens: int,
-    ) -> torch.Tensor:
-        """Host rows of positions ``start_pos .. start_pos + num_tokens - 1`` of a request (the
-        contract SGLang's PD decode path calls: it writes the prefill's KV into these rows).
-
-        Grows the request's rows by whole pages as needed (``start_pos`` must not pass the
-        request's allocated end). Raises RuntimeError when the pool is exhausted.
-        """
-        if num_tokens <= 0:
-            return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
-        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
-        if start_pos > allocated:
-            raise AssertionError(f"host rows must grow in order: start {start_pos} > allocated {allocated}")
-        end = start_pos + num_tokens
-        self.grow_request_rows(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
-        return req_to_host_pool[req_pool_idx, start_pos:end]
-
-    def grow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int, end: int) -> None:
-        """Give positions ``0..end-1`` of a request a host row each, adding whole pages.
-
-        Side effects: pages taken from the free list; their rows written into ``table`` and the
-        new allocated end into ``lengths`` (only when a page is added). Raises RuntimeError when
-        the pool is exhausted: admission counts this pool, so that is a bug, not a load condition.
-        """
-        allocated = int(lengths[req_pool_idx])
-        new_end = -(-end // self.page_size) * self.page_size
-        if new_end <= allocated:
-            return
-        rows = self.alloc(new_end - allocated)
-        if rows is None:
-            raise RuntimeError(
-                f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
-                f"{new_end - allocated} needed); admission should have prevented this"
-            )
-        table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
-        lengths[req_pool_idx] = new_end
-        self._rows_of.setdefault(req_pool_idx, []).append(rows)
-
-    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
-        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
-        tensors, distinct slots) in a fixed number of tensor ops: one allocation, one table write.
-        Same side effects and the same error."""
-        p = self.page_size
-        allocated = lengths[idxs]
-        need = ((ends + p - 1) // p * p - allocated).clamp(min=0)
-        total = int(need.sum())
-        if not total:
-            return
-        rows = self.alloc(total)
-        if rows is None:
-            raise RuntimeError(
-                f"sglang-hisparse: host pool exhausted ({self.available_size()} rows free, "
-                f"{total} needed); admission should have prevented this"
-            )
-        req = idxs.repeat_interleave(need)
-        first = (need.cumsum(0) - need).repeat_interleave(need)
-        pos = allocated.repeat_interleave(need) + torch.arange(total) - first
-        where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
-        table[where[0], where[1]] = where[2]
-        lengths[idxs] = allocated + need
-        for idx, count, chunk in zip(idxs.tolist(), need.tolist(), rows.split(need.tolist())):
-            if count:
-                self._rows_of.setdefault(idx, []).append(chunk)
-
-    def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
-        """Return every host row of a request to the free list and clear its table row.
-        Returns the number of rows freed (0 for a request with none). Reads only host memory (the
-        rows kept at growth), so no device sync whatever ``table``'s device."""
-        allocated = int(lengths[req_pool_idx])
-        chunks = self._rows_of.pop(req_pool_idx, [])
-        if allocated == 0:
-            return 0
-        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        assert rows.numel() == allocated, f"host rows kept for slot {req_pool_idx}: {rows.numel()} != {allocated}"
-        freed = self.free(rows)
-        table[req_pool_idx, :allocated] = -1
-        lengths[req_pool_idx] = 0
-        return freed
-
-    def rows_of(self, req_pool_idx: int) -> torch.Tensor:
-        """The host rows of a request slot, in position order, from the host-side record (CPU int64;
-        empty for a slot with none). Equals its table row up to its allocated end."""
-        chunks = self._rows_of.get(req_pool_idx, [])
-        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
 
     # --- copies ------------------------------------------------------------------------------
     def write_back(self, device_pool, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:
@@ -178,9 +88,10 @@ def _block_inherited_hisparse_helpers(cls: type) -> list[str]:
         refuse.__name__ = name
         return refuse
 
+    ours = [c for c in cls.__mro__ if c.__module__.startswith("sglang_hisparse.")]  # what we define wins
     names = []
     for name, member in vars(HiSparseHostPoolMixin).items():
-        if callable(member) and not name.startswith("__") and name not in vars(cls):
+        if callable(member) and not name.startswith("__") and not any(name in vars(c) for c in ours):
             setattr(cls, name, blocked(name))
             names.append(name)
     return names

@@ -1,0 +1,106 @@
+"""Host rows of request slots, by whole pages: the record both host pools keep (DSA's
+``HiSparseHostPool``, DeepSeek-V4's ``C4HostPool``).
+
+Owns each request slot's rows as CPU chunks (``_rows_of``); the rows' free list belongs to the pool
+that mixes this in, the position -> host row table to its caller (the host mirror).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class RequestRowRecord:
+    """Host rows of request slots, by whole pages, written into a position -> host row table the
+    caller owns (the host mirror's ``row_table`` and ``rows_allocated``), and kept on the host too
+    (``_rows_of``: CPU int64 chunks in position order), so that freeing a request reads nothing back
+    from the table's device. Invariant: a slot's record equals its table row up to its allocated
+    end, which is a multiple of ``page_size``. Subclasses provide ``page_size``, ``alloc``,
+    ``free`` and ``available_size`` (the free list: SGLang's for the DSA pool, ours for C4) and
+    set ``_rows_of = {}``."""
+
+    page_size: int
+    pool_label = "host pool"
+    """What an exhaustion error calls the pool."""
+    _rows_of: dict[int, list[torch.Tensor]]
+    """The record (set to ``{}`` by the subclass's constructor)."""
+
+    def alloc_paged_token_slots(self, req_to_host_pool: torch.Tensor, req_to_host_pool_allocated_len: torch.Tensor,
+                                req_pool_idx: int, start_pos: int, num_tokens: int) -> torch.Tensor:
+        """Host rows of positions ``start_pos .. start_pos + num_tokens - 1`` of a request (the
+        contract SGLang's PD decode path calls; it sends ``rows[::64] // 64`` as page ids and the
+        prefill writes whole pages there). Grows the request's rows by whole pages as needed;
+        ``start_pos`` must not pass the allocated end (AssertionError). Side effects: those of
+        :meth:`grow_request_rows`. Returns a view of the table row (the table's device)."""
+        if num_tokens <= 0:
+            return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
+        allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
+        if start_pos > allocated:
+            raise AssertionError(f"host rows must grow in order: start {start_pos} > allocated {allocated}")
+        end = start_pos + num_tokens
+        self.grow_request_rows(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, end)
+        return req_to_host_pool[req_pool_idx, start_pos:end]
+
+    def _exhausted(self, needed: int) -> RuntimeError:
+        return RuntimeError(f"sglang-hisparse: {self.pool_label} exhausted ({self.available_size()} rows free, "
+                            f"{needed} needed); admission should have prevented this")
+
+    def grow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int, end: int) -> None:
+        """Give positions ``0..end-1`` of a request a host row each, adding whole pages. Side
+        effects: pages taken from the free list, their rows written into ``table`` and the record,
+        the new allocated end into ``lengths`` (only when a page is added). Raises RuntimeError
+        when the pool is exhausted (admission counts this pool: a bug, not a load condition)."""
+        allocated = int(lengths[req_pool_idx])
+        new_end = -(-end // self.page_size) * self.page_size
+        if new_end <= allocated:
+            return
+        rows = self.alloc(new_end - allocated)
+        if rows is None:
+            raise self._exhausted(new_end - allocated)
+        table[req_pool_idx, allocated:new_end] = rows.to(table.device, non_blocking=True)
+        lengths[req_pool_idx] = new_end
+        self._rows_of.setdefault(req_pool_idx, []).append(rows)
+
+    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
+        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
+        tensors, distinct slots): one allocation, one table write. Same side effects and error."""
+        p = self.page_size
+        allocated = lengths[idxs]
+        need = ((ends + p - 1) // p * p - allocated).clamp(min=0)
+        total = int(need.sum())
+        if not total:
+            return
+        rows = self.alloc(total)
+        if rows is None:
+            raise self._exhausted(total)
+        req = idxs.repeat_interleave(need)
+        first = (need.cumsum(0) - need).repeat_interleave(need)
+        pos = allocated.repeat_interleave(need) + torch.arange(total) - first
+        where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
+        table[where[0], where[1]] = where[2]
+        lengths[idxs] = allocated + need
+        for idx, count, chunk in zip(idxs.tolist(), need.tolist(), rows.split(need.tolist())):
+            if count:
+                self._rows_of.setdefault(idx, []).append(chunk)
+
+    def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
+        """Return every host row of a request to the free list and clear its table row (to -1) and
+        allocated end. Returns the rows freed (0 for a slot with none). Reads only the record."""
+        allocated = int(lengths[req_pool_idx])
+        chunks = self._rows_of.pop(req_pool_idx, [])
+        if allocated == 0:
+            return 0
+        rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        assert rows.numel() == allocated, f"host rows kept for slot {req_pool_idx}: {rows.numel()} != {allocated}"
+        freed = self.free(rows)
+        table[req_pool_idx, :allocated] = -1
+        lengths[req_pool_idx] = 0
+        return freed
+
+    def rows_of(self, req_pool_idx: int) -> torch.Tensor:
+        """The host rows of a request slot in position order (CPU int64; empty for none): its
+        table row up to its allocated end. No side effects."""
+        chunks = self._rows_of.get(req_pool_idx, [])
+        return torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.int64)
