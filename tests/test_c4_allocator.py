@@ -1,6 +1,7 @@
 """DeepSeek-V4's allocator (memory/c4_allocator.py) over a stand-in of SGLang's SWA allocator.
 
-The SWA allocator (token ids, SGLang's) is replaced by a page allocator with the same calls, so
+The SWA allocator (token ids, SGLang's) is replaced by a page allocator with the same calls
+(``Tokens`` of tests/test_c4_coordinator.py), so
 that what is ours is checked alone: completed entries get C4 rows with the same in-page offsets,
 chunked prefills continue their last page, decode steps take token ids only, ``free`` gives back
 exactly the rows no hot buffer owns, and admission counts C4 rows and host rows in tokens.
@@ -17,43 +18,8 @@ from hypothesis import strategies as st
 
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_allocator import C4Allocator, completed_entry_ids
-from sglang_hisparse.memory.paging import PageAllocator
 
-TOKEN_PAGE = 256
-
-
-class TokenIds:
-    """Stand-in for SGLang's SWA allocator: token ids in pages of 256 (what our allocator reads)."""
-
-    def __init__(self, tokens: int, c4_rows: int):
-        self.pages = PageAllocator(tokens // TOKEN_PAGE, TOKEN_PAGE, "cpu", debug=True)
-        self.page_size = TOKEN_PAGE
-        self.size_full = self.size = tokens
-        self.size_swa = tokens // 8
-        self.need_sort = False
-        self.full_to_swa_index_mapping = None
-        self.mapping = None
-        pool = SimpleNamespace(size=c4_rows, dtype=torch.uint8, device="cpu",
-                               attach_mapping=lambda t: setattr(self, "mapping", t))
-        self._kvcache = SimpleNamespace(c4_kv_pool=pool, c4_logical_size=tokens // 4)
-
-    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens):
-        return self.pages.extend(prefix_lens_cpu, seq_lens_cpu, last_loc)
-
-    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
-        step = self.pages.decode(seq_lens_cpu.tolist(), last_loc)
-        return None if step is None else step.ids
-
-    def available_size(self):
-        return self.pages.available_tokens()
-
-    full_available_size = available_size
-
-    def free(self, ids):
-        self.pages.free_tokens(ids.to(torch.int64))
-
-    def debug_print(self):
-        return ""
+from test_c4_coordinator import Tokens as TokenIds  # the SWA allocator stand-in over a C4 pool stand-in
 
 
 def extend(alloc: C4Allocator, prefix: list[int], seq: list[int], last_loc: list[int]):
@@ -64,7 +30,7 @@ def extend(alloc: C4Allocator, prefix: list[int], seq: list[int], last_loc: list
 def test_a_prefill_maps_each_completed_entry_to_a_row_at_its_offset():
     ids_alloc = TokenIds(4096, 512)
     alloc = C4Allocator(ids_alloc, debug=True)
-    assert ids_alloc.mapping is alloc.c4.mapping.logical_to_device  # the C4 pool translates through it
+    assert ids_alloc.c4_pool.mapping is alloc.c4.mapping.logical_to_device  # the C4 pool translates through it
     ids = extend(alloc, [0, 0], [10, 300], [-1, -1])
     per_req = ids.split([10, 300])
     for tokens in per_req:
