@@ -52,7 +52,7 @@ class Tokens:
     def available_size(self):
         return self.pages.available_tokens()
 
-    full_available_size = available_size
+    full_available_size = swa_available_size = available_size
 
     def free(self, ids):
         self.pages.free_tokens(ids.to(torch.int64))
@@ -158,6 +158,8 @@ def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(g
     for r in reqs[3:]:
         rig.finish(r)
     assert rig.free_counts() == rig.initial
+    line = rig.coord.idle_report()
+    assert "leak=no" in line and "c4_rows_free=2048/2048" in line and rig.coord.idle_report() is None
 
 
 def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world):
@@ -182,6 +184,7 @@ def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_wor
     rig.finish(at_prefill)  # finished right after prefill (one token)
     never_staged = rig.prefill(2, 77)
     rig.coord.collect_ready_reqs()
+    assert "leak=yes" in rig.coord.idle_report()  # a request still holds rows
     rig.finish(never_staged)
     assert rig.free_counts() == rig.initial
 

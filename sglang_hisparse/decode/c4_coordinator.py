@@ -83,6 +83,8 @@ class C4Coordinator:
             topk_sources=None, residency_tables={},
             reuse_levels=reuse_levels_for(device) if config.replacement == "reuse" else None,
             layer_rows=self.mirror.layer_rows, compress_ratio=C4_RATIO)
+        self._initial_free = self.free_counts()
+        self._busy = False
         logger.info("sglang-hisparse coordinator (DeepSeek-V4 C4 layers): B=%d entries, top_k=%d, C4 layers=%d, "
                     "resolver=%s, %d C4 device rows, %d host rows; residency is not implemented for C4 entries: "
                     "every request decodes from a hot buffer", device_buffer_size, top_k, self.device_pool.layer_num,
@@ -106,6 +108,29 @@ class C4Coordinator:
     def destroy(self) -> None:
         self.mirror.drain()
 
+    def free_counts(self) -> dict[str, int]:
+        """Free token ids (full and SWA), C4 device rows and C4 host rows (their initial values
+        when no request is live)."""
+        tokens = self.allocator.logical_attn_allocator
+        return {"token_free": int(tokens.full_available_size()), "swa_free": int(tokens.swa_available_size()),
+                "c4_rows_free": self.rows.rows.room(), "c4_host_free": self.mirror.pool.available_size()}
+
+    def idle_report(self) -> Optional[str]:
+        """Once per busy -> idle transition: every pool's free count against its initial value
+        (``leak=yes``, at ERROR, when one differs) and the C4 layers' selected / missed entries
+        (reads the device counters: the server is idle). None when nothing happened since."""
+        if not self._busy:
+            return None
+        self._busy = False
+        counts = self.free_counts()
+        leak = counts != self._initial_free
+        selected, misses = (int(x) for x in self.counters.tolist())
+        pools = " ".join(f"{name}={value}/{self._initial_free[name]}" for name, value in counts.items())
+        line = (f"sglang-hisparse idle (DeepSeek-V4 C4): {pools} leak={'yes' if leak else 'no'} "
+                f"selected={selected} misses={misses} miss_rate={misses / selected if selected else 0.0:.4f}")
+        (logger.error if leak else logger.info)(line)
+        return line
+
     def _entries(self, req, tokens: int) -> torch.Tensor:
         """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete."""
         return completed_entry_ids(self.req_to_token_pool.req_to_token[req.req_pool_idx, :tokens])
@@ -113,6 +138,7 @@ class C4Coordinator:
     # --- into decode -------------------------------------------------------------------------
     def admit_request_into_staging(self, req) -> None:
         """After prefill: copy the request's entries (every C4 layer) to host rows, off the critical path."""
+        self._busy = True
         self.mirror.stage(req, self.rows.device_rows_of(self._entries(req, req.extend_range.end)))
 
     def collect_ready_reqs(self) -> List[Any]:
@@ -151,6 +177,7 @@ class C4Coordinator:
         previous step completed to host, then map the entry this step's token completes (if any)
         to its slot's row, growing a short buffer by a page where the entry starts one."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
+        self._busy = True
         self._back_up_previous_entries(lens, idxs, req_pool_indices)
         done = [i for i, n in enumerate(lens) if n % C4_RATIO == 0]
         if not done:
@@ -201,6 +228,7 @@ class C4Coordinator:
         idx = req.req_pool_idx
         if idx is None:
             return
+        self._busy = True
         if self.mirror.is_staged(req):
             self.mirror.staging.drop(req)
             self.rows.free_prefill_rows(self._entries(req, req.extend_range.end))
