@@ -7,8 +7,6 @@ that mixes this in, the position -> host row table to its caller (the host mirro
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
