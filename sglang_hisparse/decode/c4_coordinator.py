@@ -38,10 +38,10 @@ from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import agreed_count
 from sglang_hisparse.decode.startup import build_resolver, reuse_levels_for
 from sglang_hisparse.errors import HiSparsePluginError
-from sglang_hisparse.memory.c4_allocator import C4_RATIO, completed_entry_ids
 from sglang_hisparse.memory.c4_mirror import C4Mirror
+from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.hot_buffers import HotBuffers
-from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_RATIO, completed_entry_ids
 from sglang_hisparse.stats import HiSparseTokenStats, token_stats
 
 logger = logging.getLogger(__name__)
@@ -244,5 +244,5 @@ class C4Coordinator:
         self.request_finished(req)
 
     def _wait_for_producer(self) -> None:
-        if self._producer_stream is not None:
-            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
+        """Order the current stream after the overlapped forward in flight (if any)."""
+        order_current_after(self._producer_stream, self.num_real_reqs.device)

@@ -45,6 +45,7 @@ from sglang_hisparse.decode.startup import (build_memory, build_resolver, build_
                                             residency_label, reuse_levels_for)
 from sglang_hisparse.decode.steps import DecodeSteps
 from sglang_hisparse.memory.admission import capacity_line
+from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.residency import Residency
 from sglang_hisparse.stats import HiSparseTokenStats, token_stats
 
@@ -244,8 +245,7 @@ class HiSparseCoordinator:
 
     def _wait_for_producer(self) -> None:
         """Order the current stream after the overlapped forward in flight (if any)."""
-        if self._producer_stream is not None:
-            torch.get_device_module(self.num_real_reqs.device).current_stream().wait_stream(self._producer_stream)
+        order_current_after(self._producer_stream, self.num_real_reqs.device)
 
 
 def build_c4_coordinator(req_to_token_pool, allocator, top_k: int, device_buffer_size: int, device: str, tp_group,

@@ -33,23 +33,9 @@ from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.allocator_room import Budget
 from sglang_hisparse.memory.device_rows import DeviceRows
 from sglang_hisparse.memory.row_mapping import HotBufferRows, LogicalMap
-from sglang_hisparse.resolver.c4_rows import C4_PAGE_ENTRIES
+from sglang_hisparse.resolver.c4_rows import C4_PAGE_ENTRIES, C4_RATIO, completed_entry_ids
 
-C4_RATIO = 4
-"""Tokens per C4 entry."""
-
-
-def completed_entry_ids(token_ids: torch.Tensor) -> torch.Tensor:
-    """Compressed logical ids of the entries these token ids complete (ids ``4c + 3``), in order.
-    Token ids keep their position's offset mod 4 (pages of 256 tokens from position 0), so the
-    tokens completing entries are exactly those with ``id % 4 == 3``. Pure."""
-    token_ids = token_ids.to(torch.int64)
-    return token_ids[token_ids % C4_RATIO == C4_RATIO - 1] // C4_RATIO
-
-
-def entries_of(tokens: int) -> int:
-    """Completed entries of a request with ``tokens`` tokens."""
-    return tokens // C4_RATIO
+__all__ = ["C4Allocator", "C4Rows", "C4_RATIO", "completed_entry_ids"]
 
 
 class C4Rows(HotBufferRows):

@@ -28,10 +28,15 @@ from typing import Any, Optional
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4SingleKVPool
 
-from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+from sglang_hisparse.resolver.c4_rows import (
+    C4_ITEM_BYTES,
+    C4_PAGE_BYTES,
+    C4_PAGE_ENTRIES,
+    C4_RATIO,
+    C4PagedRows,
+    completed_entry_ids,
+)
 
-C4_RATIO = 4
-"""Tokens per compressed entry."""
 
 _active: Optional["weakref.ReferenceType[C4DevicePool]"] = None
 """The pool whose mapping was attached last in this process (one served model per scheduler
@@ -91,7 +96,7 @@ class C4DevicePool(DeepSeekV4SingleKVPool):
         """The logical compressed ids of the tokens among ``full_indices`` (logical token ids) that
         complete an entry (``t % 4 == 3``), in order: ``t // 4``. Others are dropped (a CUDA
         tensor's result has a data-dependent size: the host waits for the device)."""
-        return full_indices[full_indices % C4_RATIO == C4_RATIO - 1] // C4_RATIO
+        return completed_entry_ids(full_indices).to(full_indices.dtype)
 
     def _translate_loc_to_hisparse_device(self, compressed_indices: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) of logical compressed ids; 0 where none (the compressor's writes)."""

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from sglang_hisparse.memory.c4_host_pool import C4HostPool
-from sglang_hisparse.memory.copy_lane import CopyLane, Fence
+from sglang_hisparse.memory.copy_lane import CopyLane, Fence, order_current_after
 from sglang_hisparse.memory.staging import StagingQueue
 from sglang_hisparse.resolver.c4_rows import C4_PAGE_ENTRIES, C4PagedRows
 
@@ -97,7 +97,7 @@ class C4Mirror:
     def order_after_copies(self) -> None:
         """Order the current stream after every backup copy submitted so far (before rows they
         read are freed and handed out again). No host wait."""
-        torch.get_device_module(self.row_table.device).current_stream().wait_stream(self.backups.stream)
+        order_current_after(self.backups.stream, self.row_table.device)
 
     def forget(self, idx: int) -> None:
         """Free request slot ``idx``'s host rows and reset its record."""

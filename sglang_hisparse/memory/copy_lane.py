@@ -22,6 +22,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 
+def order_current_after(stream: Optional[Any], device: torch.device) -> None:
+    """Make ``device``'s current stream wait (on the device, no host wait) for everything issued so
+    far on ``stream``; nothing for None."""
+    if stream is not None:
+        torch.get_device_module(device).current_stream().wait_stream(stream)
+
+
 @dataclass(frozen=True)
 class Fence:
     """The completion of one copy on a lane (``seq``: its position in the lane's order)."""

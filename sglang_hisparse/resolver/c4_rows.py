@@ -30,6 +30,17 @@ C4_SCALE_BYTES = 8
 C4_ITEM_BYTES = C4_VALUE_BYTES + C4_SCALE_BYTES
 C4_SCALE_OFFSET = C4_PAGE_ENTRIES * C4_VALUE_BYTES  # 36864: where a page's scales start
 C4_PAGE_BYTES = -(-(C4_ITEM_BYTES * C4_PAGE_ENTRIES) // C4_VALUE_BYTES) * C4_VALUE_BYTES  # 37440
+C4_RATIO = 4
+"""Tokens per C4 entry: entry ``k`` of a request is its tokens ``4k .. 4k + 3``."""
+
+
+def completed_entry_ids(token_ids: torch.Tensor) -> torch.Tensor:
+    """Compressed logical ids (int64) of the entries these token ids complete (ids ``4c + 3``), in
+    order. Token ids keep their position's offset mod 4 (SGLang's pages of 256 tokens start at
+    position 0), so the tokens completing entries are exactly those with ``id % 4 == 3``. Pure (a
+    CUDA tensor's result has a data-dependent size: the host waits for the device)."""
+    token_ids = token_ids.to(torch.int64)
+    return token_ids[token_ids % C4_RATIO == C4_RATIO - 1] // C4_RATIO
 
 
 class LinearRows:

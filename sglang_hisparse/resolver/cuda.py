@@ -132,12 +132,18 @@ def largest_buffer_size(top_k: int, reuse: bool = False) -> int:
     return low
 
 
-def check_supported(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> None:
-    """Raise ValueError unless the kernel (``reuse``: the reuse-table policy's) can be built for
-    this configuration."""
+def check_row_bytes(item_bytes: int) -> None:
+    """Raise ValueError unless the kernel copies rows of ``item_bytes``: linear rows of a positive
+    multiple of 16 bytes, or DeepSeek-V4's 584-byte paged C4 rows (``RowLayout`` in resolve.cuh)."""
     if item_bytes != C4_ITEM_BYTES and (item_bytes <= 0 or item_bytes % 16 != 0):
         raise ValueError(f"hisparse kernel: KV rows must be a positive multiple of 16 bytes (or DeepSeek-V4's "
                          f"{C4_ITEM_BYTES}-byte paged C4 rows), got {item_bytes}")
+
+
+def check_supported(item_bytes: int, device_buffer_size: int, top_k: int, reuse: bool = False) -> None:
+    """Raise ValueError unless the kernel (``reuse``: the reuse-table policy's) can be built for
+    this configuration."""
+    check_row_bytes(item_bytes)
     if not 1 <= top_k <= device_buffer_size <= MAX_SLOTS:
         raise ValueError(
             f"hisparse kernel: need 1 <= top_k ({top_k}) <= B ({device_buffer_size}) <= {MAX_SLOTS}"
@@ -741,8 +747,7 @@ def _check_replay(plan: MissPlan, host_kv: torch.Tensor, device_kv: torch.Tensor
     _check(device_kv.device == device, f"device_kv must be on {device}")
     _check(host_kv.dtype == device_kv.dtype, "host_kv and device_kv must have one dtype")
     _check(kv_item_bytes(host_kv) == kv_item_bytes(device_kv), "host_kv and device_kv rows differ in size")
-    _check(item_bytes == C4_ITEM_BYTES or (item_bytes > 0 and item_bytes % 16 == 0),
-           f"KV rows must be a multiple of 16 bytes, got {item_bytes}")
+    check_row_bytes(item_bytes)
     _check_host_kv(host_kv)
     _check_rows_kv(host_kv, "host_kv")
     _check_rows_kv(device_kv, "device_kv")
