@@ -18,7 +18,7 @@ from sglang_hisparse.memory.c4_device_pool import C4DevicePool
 
 TARGET = "sglang.srt.mem_cache.deepseek_v4_memory_pool.HiSparseC4DevicePool"
 CHECKED_AGAINST = "0.5.17"
-ROLE = "c4_device_pool"
+ROLE = "device_pool"  # the self-check finds it as the allocator's hisparse_kvcache
 IMPLEMENTATION = C4DevicePool
 
 

@@ -333,7 +333,7 @@ def test_the_seam_names_sglangs_c4_pool():
 
     module, name = seam.TARGET.rsplit(".", 1)
     assert module == upstream.__name__ and hasattr(upstream, name)
-    assert (seam.ROLE, seam.IMPLEMENTATION, seam.CHECKED_AGAINST) == ("c4_device_pool", C4DevicePool, "0.5.17")
+    assert (seam.ROLE, seam.IMPLEMENTATION, seam.CHECKED_AGAINST) == ("device_pool", C4DevicePool, "0.5.17")
     calls = []
     seam.register(SimpleNamespace(register=lambda *args: calls.append(args)))
     assert calls == [(seam.TARGET, C4DevicePool, HookType.REPLACE)]

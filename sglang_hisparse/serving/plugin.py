@@ -128,11 +128,21 @@ def register(
     recording = _Recording(registry, hooks)
     for seam in function_seams():
         seam.register(recording)
-    for seam in class_seams() if seams is None else seams:
+    class_seam_list = class_seams() if seams is None else seams
+    for seam in class_seam_list:
         seam.register(recording)
-        expected[seam.ROLE] = expected.get(seam.ROLE, ()) + (seam.IMPLEMENTATION,) + getattr(seam, "ALSO_BUILDS", ())
+    expected.update(expected_classes(class_seam_list))
     logger.info("sglang-hisparse %s: hooks registered for SGLang %s", _own_version(), version)
     return hooks
+
+
+def expected_classes(seams: Sequence[ModuleType]) -> dict[str, tuple[type, ...]]:
+    """Role -> every class the class seams build for it (DSA's and DeepSeek-V4's alike): what the
+    self-check accepts in the scheduler for that role."""
+    expected: dict[str, tuple[type, ...]] = {}
+    for seam in seams:
+        expected[seam.ROLE] = expected.get(seam.ROLE, ()) + (seam.IMPLEMENTATION,) + getattr(seam, "ALSO_BUILDS", ())
+    return expected
 
 
 def _own_version() -> str:
