@@ -136,3 +136,54 @@ def test_our_allocator_and_host_pool_provide_every_pd_member(gloo_world):
     host = rig.coord.mem_pool_host
     assert not sorted(n for n in found["host_pool"] if not hasattr(host, n)), "host pool lacks members"
     assert host.get_contiguous_buf_infos()[0]
+
+
+# --- call sites: every argument SGLang passes binds to our signatures ---------------------------
+def coordinator_call_sites() -> list[tuple[str, str, int, list[str]]]:
+    """``(file, method, positional count, keyword names)`` of every ``<...>.hisparse_coordinator.m(...)``
+    call in the installed SGLang (its own coordinator module and tests excluded)."""
+    import ast
+
+    root = Path(sglang.__file__).parent
+    sites = []
+    for path in root.rglob("*.py"):
+        if path.name == "hisparse_coordinator.py" or "test" in path.parts:
+            continue
+        text = path.read_text(errors="ignore")
+        if "hisparse_coordinator." not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, (ast.Attribute, ast.Name))
+                    and getattr(node.func.value, "attr", getattr(node.func.value, "id", None)) == "hisparse_coordinator"):
+                sites.append((str(path.relative_to(root)), node.func.attr, len(node.args),
+                              [k.arg for k in node.keywords if k.arg is not None]))
+    return sites
+
+
+def test_every_sglang_call_binds_to_both_coordinators():
+    """SGLang's V4 indexer calls ``swap_in_selected_pages(req_pool_indices=..., compressed_seq_lens=...,
+    ...)`` by keyword: a parameter named otherwise fails only on the GPU, at the first decode step."""
+    import inspect
+
+    from sglang_hisparse.decode.c4_coordinator import C4Coordinator
+    from sglang_hisparse.decode.coordinator import HiSparseCoordinator
+
+    sites = coordinator_call_sites()
+    assert {method for _, method, _, _ in sites} >= {"swap_in_selected_pages", "map_last_loc_to_buffer", "request_finished"}
+    assert any("compressed_seq_lens" in kws for _, m, _, kws in sites if m == "swap_in_selected_pages")
+    problems = []
+    family_of = {HiSparseCoordinator: "dsv4/", C4Coordinator: "dsa_backend.py"}  # the other family's files
+    for cls, other in family_of.items():
+        for path, method, n_pos, keywords in sites:
+            if other in path:
+                continue
+            member = inspect.getattr_static(cls, method, None)
+            if member is None:
+                problems.append(f"{cls.__name__} lacks {method} ({path})")
+                continue
+            try:
+                inspect.signature(getattr(cls, method)).bind(None, *range(n_pos), **{k: None for k in keywords})
+            except TypeError as err:
+                problems.append(f"{cls.__name__}.{method}: {path} passes {n_pos} positional + {keywords}: {err}")
+    assert not problems, problems

@@ -216,10 +216,11 @@ class C4Coordinator:
         need = self.hot.step_growth(req_pool_indices, [(n + 1) // C4_RATIO for n in committed_lens])
         return max(0, need - self.rows.rows.room())
 
-    def swap_in_selected_pages(self, req_pool_indices, seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
-        """One C4 layer's top-k entries (raw compressed positions; ``seq_lens``: entries) -> device
-        rows, int32 [num_reqs, top_k]. ``layer_id``: the C4 layer index (``compress_layer_id``)."""
-        return self._layers(layer_id, req_pool_indices, seq_lens, top_k_result)
+    def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
+        """One C4 layer's top-k entries (raw compressed positions; ``compressed_seq_lens``: each
+        request's completed entries) -> device rows, int32 [num_reqs, top_k]. ``layer_id``: the C4
+        layer index (``compress_layer_id``). SGLang's V4 indexer passes every argument by keyword."""
+        return self._layers(layer_id, req_pool_indices, compressed_seq_lens, top_k_result)
 
     # --- leaving -----------------------------------------------------------------------------
     def request_finished(self, req) -> None:
