@@ -225,6 +225,49 @@ def job_words(run: str, fragment: str) -> list[str]:
     return next(part.split() for part in DEVICE_CALLS[run].split(" + ") if name in part)
 
 
+# DeepSeek-V4 (tiny-dsv4) through scripts/gpu/v4_probe.py: one server per implementation side by side,
+# one request at a time; each run's COMMAND file holds the device call (docs/deepseek_v4/gpu-probe.md)
+V4_PROBES = ["gpu_v4probe3", "gpu_v4probe4"]
+IDLE_LINE = re.compile(r"leak=(yes|no) selected=(\d+) misses=(\d+)")
+
+
+def v4_probe_rows(run: str) -> list[dict]:
+    """One exactness row per HiSparse implementation of a V4 probe, against its ``none`` server:
+    the completed prompts only (``not_completed`` lists the others, with why)."""
+    data = json.loads((RESULTS / run / "v4probe.json").read_text())
+    base = {r["prompt_len"]: r.get("output_ids") for r in data["impls"]["none"]["requests"]}
+    rows = []
+    for impl, info in data["impls"].items():
+        if impl == "none":
+            continue
+        done, first_diff, missing = [], [], []
+        for req in info["requests"]:
+            ids, ref = req.get("output_ids"), base.get(req["prompt_len"])
+            if not ids or not ref:
+                missing.append({"prompt_len": req["prompt_len"], "why": req.get("error", "baseline missing")})
+                continue
+            done.append(req["prompt_len"])
+            first_diff.append(next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b),
+                                   None if len(ids) == len(ref) else min(len(ids), len(ref))))
+        idle = [IDLE_LINE.search(line) for line in info.get("pool_lines", [])]
+        idle = [m for m in idle if m]
+        config = json.loads(info["hisparse_config"])
+        row = {"impl": impl, "model": data["model"].rsplit("/", 1)[-1], "B": config["device_buffer_size"],
+               "top_k": config["top_k"], "cuda_graph": "--disable-cuda-graph" not in data["server_flags"],
+               "sequences": len(done), "identical": first_diff.count(None), "first_diff": first_diff,
+               "prompt_lens": done, "new_tokens": data["new_tokens"],
+               "workload": "one request at a time, greedy, torch top-k (SGLANG_TOPK_TRANSFORM_512_TORCH=1)",
+               "device": data["device"]["nvidia_smi"], "run": run}
+        if missing:
+            row["not_completed"] = missing
+        if idle:
+            leak, selected, misses = idle[-1].groups()
+            row["pools_back_to_initial"] = leak == "no"
+            row["miss_rate"] = int(misses) / int(selected) if int(selected) else None
+        rows.append(row)
+    return rows
+
+
 def option(words: list[str], flag: str, default: str) -> str:
     return words[words.index(flag) + 1] if flag in words else default
 
@@ -276,6 +319,9 @@ def main() -> int:
         if measured and "decode_steps" not in measured[0]:
             measured = server_side_throughput(run, measured)
         throughput += [dict({k: v for k, v in r.items() if k not in CLIENT_SIDE}, run=run) for r in measured]
+    for run in V4_PROBES:
+        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
+        exactness += v4_probe_rows(run)
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
            "throughput": throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -52,6 +52,10 @@ ENV = {
     # without a HiSparse coordinator (dsv4/indexer.py _can_use_nonpaged_indexer): both
     # implementations take the paged path so that their numerics can be compared
     "SGLANG_OPT_DSV4_NONPAGED_INDEXER": "0",
+    # V4's default fused top-k is not run-to-run deterministic (near ties): two runs of the same
+    # server differed after a few tokens on the H100 (docs/results/gpu_v4probe1b vs gpu_v4probe2);
+    # the torch top-k makes the baseline repeatable, so a difference is the implementation's
+    "SGLANG_TOPK_TRANSFORM_512_TORCH": "1",
 }
 POOL_LINE = re.compile(r"(DSV4 pool|pool siz|HiSparse|hisparse|KV Cache is allocated|max_total_num_tokens|"
                        r"Load weight end|Capture cuda graph|TileLang|tilelang|mhc|MHC|Using .*Backend|"
@@ -100,7 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def server_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--grammar-backend", "none", "--max-running-requests", str(args.max_running),
-             "--mem-fraction-static", "0.35", "--decode-log-interval", "8"]
+             "--mem-fraction-static", "0.35", "--decode-log-interval", "8",
+             # SGLang sizes the SWA pool at 10% of the full pool by default (13056 tokens with
+             # --max-total-tokens 131072): a longer prompt waited for SWA room forever, with and without
+             # HiSparse (docs/results/gpu_v4probe4); 0.2 leaves room for tiny-dsv4's 16384-token context
+             "--swa-full-tokens-ratio", "0.2"]
     if not args.graph:
         flags.append("--disable-cuda-graph")
     return flags + list(args.extra_arg)
