@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sglang_hisparse.resolver.c4_rows import (
     C4_ITEM_BYTES,
+    C4_ITEM_PARTS,
     C4_PAGE_BYTES,
     C4_PAGE_ENTRIES,
     C4_SCALE_OFFSET,
@@ -116,3 +117,21 @@ def test_reference_resident_path_reads_each_entry_at_its_last_token():
         out=out, num_real_reqs=1, device_buffer_size=2, resident=torch.ones(1, dtype=torch.uint8),
         req_to_token=req_to_token, logical_to_device=logical_to_device, compress_ratio=4)
     assert out.tolist() == [[104, 100, -1]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.integers(0, 64 * 50 - 1), min_size=1, max_size=40, unique=True))
+def test_item_indices_address_each_rows_value_and_scale_bytes(rows):
+    """The copies move a row as two whole items (C4_ITEM_PARTS): item index x item bytes must be
+    the first byte of the row's value and of its scale, and the item must cover exactly the row's
+    bytes of that part."""
+    rows_t = torch.tensor(rows)
+    byte_index = C4PagedRows(torch.zeros(50, C4_PAGE_BYTES, dtype=torch.uint8)).byte_index(rows_t)
+    start = 0
+    for item_bytes, to_items in C4_ITEM_PARTS:
+        items = to_items(rows_t)
+        expected = byte_index[:, start:start + item_bytes]
+        got = items.reshape(-1, 1) * item_bytes + torch.arange(item_bytes)
+        assert torch.equal(got, expected)
+        start += item_bytes
+    assert start == C4_ITEM_BYTES

@@ -3,7 +3,8 @@
 # in one command for the GPU machine (run.sh job `c4`): the random test against the oracle (>= 10000
 # cases, tests/gpu/test_resolve_kernel.py::test_kernel_matches_oracle_on_c4_rows), compute-sanitizer
 # memcheck and racecheck on the sanitizer script's C4 cases alongside it, then the benchmark against
-# SGLang 0.5.17's load_cache_to_device_buffer_dsv4_mla (scripts/research/bench_resolve_c4.py).
+# SGLang 0.5.17's load_cache_to_device_buffer_dsv4_mla (scripts/research/bench_resolve_c4.py); the C4
+# host pool's kernel copies against their torch twin (tests/gpu/test_c4_host_copy.py).
 #   results under $OUT: kernel_tests_c4.json, kernel_bench_c4.json, sanitizer_c4.log, c4_suite.log
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -38,6 +39,8 @@ if [ -n "$SANITIZER" ]; then
 fi
 wait "$PID_TESTS" || rc=1
 tail -c 20000 /tmp/c4_tests.log
+note "host pool copies (SGLang's transfer kernels, value and scale items) against the paged rows"
+$PY -m pytest -q -p no:cacheprovider tests/gpu/test_c4_host_copy.py 2>&1 | tail -5 || rc=1
 note "benchmark"
 $PY scripts/research/bench_resolve_c4.py --out "$OUT" --budget-s "${HISPARSE_C4_BENCH_S:-120}" \
   --command "bash scripts/gpu/run.sh c4 (step: python3 scripts/research/bench_resolve_c4.py)" || rc=1

@@ -27,11 +27,13 @@ slot's rows (CPU chunks, :class:`RequestRowRecord`) and the host bytes. Pinning 
 ``cudaHostRegister`` on an ordinary allocation rather than torch's pinned allocator, which rounds
 every block up to a power of two (a 70 GB pool would pin 128 GB).
 
-Copies go through ``C4PagedRows`` views of the host page buffer and of the device pool's per-layer
-page buffers, on CPU and CUDA alike: gather on the source's device, one transfer of every layer's
-bytes, scatter on the destination's (a copy from CUDA waits for the device: the host mirror's copy
-lanes run it off the decode path). A fused CUDA copy (entry-granular, like the resolver kernel's
-``RowLayout<584>``) may replace this without changing the interface.
+Copies move each row as two items, its 576-byte value and its 8-byte scale, whose item indices
+``resolver/c4_rows.py`` computes (``C4_ITEM_PARTS``). On CUDA they run SGLang's generic KV
+transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops: a warp per item, 8-byte words,
+reading and writing the pinned host buffer directly): two launches for every layer at once, on the
+current stream, with the row indices on the device, so the host never waits for the device (the
+host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same with torch
+indexing: it is the kernels' twin, which the CPU tests drive through the same item indices.
 """
 
 from __future__ import annotations
@@ -43,7 +45,37 @@ import torch
 
 from sglang_hisparse.memory.host_rows import RequestRowRecord
 from sglang_hisparse.memory.paging import PageAllocator
-from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_ITEM_PARTS, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+
+
+def copy_items(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], src_items: torch.Tensor,
+               dst_items: torch.Tensor, item_bytes: int) -> None:
+    """Torch twin of SGLang's ``transfer_kv_all_layer_mla``: in every layer pair, copy the
+    ``item_bytes``-byte items ``src_items`` of the source buffer (as flat bytes) into items
+    ``dst_items`` of the destination (distinct). Side effect: the destination buffers only."""
+    for src, dst in zip(src_layers, dst_layers):
+        src_view, dst_view = src.view(-1).view(-1, item_bytes), dst.view(-1).view(-1, item_bytes)
+        dst_view[dst_items.to(dst.device)] = src_view[src_items.to(src.device)].to(dst.device)
+
+
+class _KernelCopies:
+    """SGLang's transfer kernels over fixed layer lists (their base addresses as a device int64
+    tensor, built once: the buffers never move)."""
+
+    def __init__(self, src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], device: torch.device):
+        from sgl_kernel.kvcacheio import transfer_kv_all_layer_mla
+
+        self._transfer = transfer_kv_all_layer_mla
+        self.num_layers = len(src_layers)
+        self.src_ptrs = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64, device=device)
+        self.dst_ptrs = torch.tensor([t.data_ptr() for t in dst_layers], dtype=torch.int64, device=device)
+
+    def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+        device = self.src_ptrs.device
+        src_rows, dst_rows = src_rows.to(device, torch.int64), dst_rows.to(device, torch.int64)
+        for item_bytes, to_items in C4_ITEM_PARTS:
+            self._transfer(self.src_ptrs, self.dst_ptrs, to_items(src_rows), to_items(dst_rows), item_bytes,
+                           self.num_layers)
 
 
 class C4HostPool(RequestRowRecord):
@@ -75,6 +107,9 @@ class C4HostPool(RequestRowRecord):
         if pin_memory:
             _pin(self, self.kv_buffer)
         self._views = [C4PagedRows(self.kv_buffer[layer]) for layer in range(layer_num)]
+        self._kernel_copies: dict[tuple[int, str, int, int], _KernelCopies] = {}
+        """(the device pool's first copied layer's address, direction, first layer, layer count) -> its
+        transfer kernels."""
 
     @classmethod
     def from_device_pool(cls, device_pool: Any, capacity: int, *, pin_memory: bool, debug: bool = False) -> "C4HostPool":
@@ -117,24 +152,34 @@ class C4HostPool(RequestRowRecord):
             self._views[layer].write(rows, data[i])
 
     def write_back(self, device_pool: Any, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:
-        """Copy device rows to host rows (distinct), every layer, on the current stream."""
-        if device_rows.numel() == 0:
-            return
-        data = torch.stack([C4PagedRows(device_pool.kv_buffer[layer]).read(device_rows)
-                            for layer in range(self.layer_num)])
-        self.write_entries(host_rows, data.cpu())
+        """Copy device rows to host rows (distinct), every layer, on the current stream. From CUDA
+        the host does not wait (module docstring). Side effect: those host entries only."""
+        self._copy(device_pool, "to_host", range(self.layer_num), device_rows, host_rows)
 
     def load_rows(self, device_pool: Any, host_rows: torch.Tensor, device_rows: torch.Tensor,
                   layer_id: Optional[int] = None) -> None:
         """Copy host rows into device rows (distinct) for one layer, or every layer when
-        ``layer_id`` is None. Side effect: those device entries only."""
-        if device_rows.numel() == 0:
-            return
+        ``layer_id`` is None, on the current stream. Side effect: those device entries only."""
         layers = range(self.layer_num) if layer_id is None else range(layer_id, layer_id + 1)
-        data = torch.stack([self._views[layer].read(host_rows) for layer in layers])
-        data = data.to(device_pool.kv_buffer[0].device)
-        for i, layer in enumerate(layers):
-            C4PagedRows(device_pool.kv_buffer[layer]).write(device_rows, data[i])
+        self._copy(device_pool, "to_device", layers, host_rows, device_rows)
+
+    def _copy(self, device_pool: Any, direction: str, layers: range, src_rows: torch.Tensor,
+              dst_rows: torch.Tensor) -> None:
+        if src_rows.numel() == 0:
+            return
+        device_layers = [device_pool.kv_buffer[layer] for layer in layers]
+        host_layers = [self.kv_buffer[layer] for layer in layers]
+        src_layers, dst_layers = ((device_layers, host_layers) if direction == "to_host"
+                                  else (host_layers, device_layers))
+        if not device_layers[0].is_cuda:
+            for item_bytes, to_items in C4_ITEM_PARTS:
+                copy_items(src_layers, dst_layers, to_items(src_rows), to_items(dst_rows), item_bytes)
+            return
+        key = (device_layers[0].data_ptr(), direction, layers.start, len(layers))
+        copies = self._kernel_copies.get(key)
+        if copies is None:
+            copies = self._kernel_copies[key] = _KernelCopies(src_layers, dst_layers, device_layers[0].device)
+        copies(src_rows, dst_rows)
 
     # --- PD -----------------------------------------------------------------------------------
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:

@@ -32,6 +32,28 @@ C4_SCALE_OFFSET = C4_PAGE_ENTRIES * C4_VALUE_BYTES  # 36864: where a page's scal
 C4_PAGE_BYTES = -(-(C4_ITEM_BYTES * C4_PAGE_ENTRIES) // C4_VALUE_BYTES) * C4_VALUE_BYTES  # 37440
 C4_RATIO = 4
 """Tokens per C4 entry: entry ``k`` of a request is its tokens ``4k .. 4k + 3``."""
+assert C4_PAGE_BYTES % C4_VALUE_BYTES == 0 and C4_SCALE_OFFSET % C4_SCALE_BYTES == 0
+
+
+def c4_value_items(rows: torch.Tensor) -> torch.Tensor:
+    """Where each row's value sits in its buffer counted in :data:`C4_VALUE_BYTES` items: a page
+    is 65 such items (64 values, then the scales and padding), so row ``r`` is item ``r + r // 64``.
+    int64, on ``rows``' device; pure. With :func:`c4_scale_items`, what a copy of whole items (two
+    per row) needs to move rows between two C4 buffers."""
+    rows = rows.to(torch.int64)
+    return rows + rows // C4_PAGE_ENTRIES
+
+
+def c4_scale_items(rows: torch.Tensor) -> torch.Tensor:
+    """Where each row's scale sits in its buffer counted in :data:`C4_SCALE_BYTES` items. int64, on
+    ``rows``' device; pure."""
+    rows = rows.to(torch.int64)
+    return ((rows // C4_PAGE_ENTRIES) * (C4_PAGE_BYTES // C4_SCALE_BYTES) + C4_SCALE_OFFSET // C4_SCALE_BYTES
+            + rows % C4_PAGE_ENTRIES)
+
+
+C4_ITEM_PARTS = ((C4_VALUE_BYTES, c4_value_items), (C4_SCALE_BYTES, c4_scale_items))
+"""A row as two items: (item bytes, row -> item index) for its value, then its scale."""
 
 
 def completed_entry_ids(token_ids: torch.Tensor) -> torch.Tensor:
