@@ -1,7 +1,8 @@
 """The GPU-machine helper scripts that run here too: packing a call's outputs under the device
 tool's 8-file limit (scripts/gpu/pack_outputs.py), the end-to-end script's configuration syntax
-(scripts/gpu/e2e.py), decode throughput from server logs (scripts/gpu/decode_log.py) and the
-per-step breakdown of a decode profile (scripts/gpu/profile_summary.py)."""
+(scripts/gpu/e2e.py), decode throughput from server logs (scripts/gpu/decode_log.py), the
+per-step breakdown of a decode profile (scripts/gpu/profile_summary.py) and the DeepSeek-V4 probe
+(scripts/gpu/v4_probe.py: its options, abort selection, streamed batches and comparisons)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -446,3 +449,302 @@ def test_v4_probe_reports_a_server_that_does_not_start(tmp_path, monkeypatch):
     assert row["env"]["SGLANG_PLUGINS"] == "hisparse_dummy_init" and json.loads(row["hisparse_config"])["top_k"] == 512
     assert row["pool_lines"] == ["DSV4 pool sizes: c4=1"] and row["log_tail"][-1] == "RuntimeError: boom"
     assert report["compare"]["identical"] is None
+
+
+# --- v4_probe's concurrent phase (several requests decoding together, some aborted) ----------------
+def test_v4_probe_concurrent_options_are_off_by_default_and_hold_batch_shapes_when_on(tmp_path):
+    """Without --concurrent the servers get the flags and configs of the one-at-a-time probe; with it
+    every decode step runs in one capture size of N rows, every server without the overlap
+    scheduler, ours waiting for staging (the module docstring says why), and N + 1 running requests."""
+    import v4_probe
+
+    from sglang_hisparse.serving.launcher import MODELS_DIR
+
+    plain = v4_probe.parse_args(["--out", str(tmp_path / "v.json")])
+    assert plain.concurrent == 0 and plain.concurrent_length_list == [] and not v4_probe.holds_shapes(plain)
+    flags = v4_probe.server_flags(plain)
+    assert flags[flags.index("--max-running-requests") + 1] == "8" and flags[flags.index("--decode-log-interval") + 1] == "8"
+    assert "--disable-cuda-graph" in flags and "--disable-overlap-schedule" not in flags
+    assert not any(f.startswith("--cuda-graph") for f in flags)
+    assert flags[flags.index("--swa-full-tokens-ratio") + 1] == "0.2"
+    assert v4_probe.hisparse_config("ours", plain) == plain.hisparse_config == v4_probe.hisparse_config("upstream", plain)
+    assert v4_probe.hisparse_config("none", plain) is None
+    assert v4_probe.server_env("ours", plain)["SGLANG_TOPK_TRANSFORM_512_TORCH"] == "1"
+
+    b2048 = '{"top_k": 512, "device_buffer_size": 2048, "host_to_device_ratio": 2}'
+    args = v4_probe.parse_args(["--impls", "none,ours,ours@4096,upstream", "--concurrent", "12", "--abort", "3",
+                                "--concurrent-only", "--new-tokens", "64", "--hisparse-config", b2048])
+    config = json.loads((MODELS_DIR / args.model / "config.json").read_text())
+    assert args.context == config["max_position_embeddings"] == 16384
+    assert args.concurrent_length_list == list(v4_probe.DEFAULT_CONCURRENT_LENGTHS)
+    plan = v4_probe.concurrent_plan(args)
+    assert plan["abort_indices"] == [2, 6, 10] and plan["graph"] == "F12" and plan["max_running"] == 13
+    assert [plan["max_new_tokens"][i] for i in (0, 2)] == [64, v4_probe.ABORT_BUDGET_FACTOR * 64]
+    assert all(n + m <= args.context for n, m in zip(plan["lengths"], plan["max_new_tokens"]))
+    # pressure (docs/deepseek_v4/gpu-probe.md): the 12 prompts' C4 entries exceed a HiSparse server's
+    # device rows (max-total-tokens / 4 / ratio 2) and fit its host rows (max-total-tokens / 4)
+    entries = sum(n // 4 for n in plan["lengths"])
+    assert args.max_total_tokens // 4 // 2 < entries <= args.max_total_tokens // 4
+    assert sum(n > 4 * 2048 for n in plan["lengths"]) == 5 and max(plan["lengths"]) // 4 <= 4096
+    flags = v4_probe.server_flags(args)
+    assert flags[flags.index("--cuda-graph-bs") + 1] == flags[flags.index("--cuda-graph-max-bs") + 1] == "12"
+    assert flags[flags.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert "--disable-cuda-graph" not in flags and "--disable-overlap-schedule" in flags
+    assert flags[flags.index("--max-running-requests") + 1] == "13" and flags[flags.index("--decode-log-interval") + 1] == "1"
+    ours, ours4096 = json.loads(v4_probe.hisparse_config("ours", args)), json.loads(v4_probe.hisparse_config("ours@4096", args))
+    assert ours == {**json.loads(b2048), "wait_for_staging": True}
+    assert ours4096 == {**json.loads(b2048), "device_buffer_size": 4096, "wait_for_staging": True}
+    assert json.loads(v4_probe.hisparse_config("upstream", args)) == json.loads(b2048)  # SGLang's has no such key
+    assert v4_probe.server_env("upstream@4096", args)["SGLANG_PLUGINS"] == "hisparse_dummy_init"
+    assert [v4_probe.log_name(s) for s in args.impl_list] == ["v4_none", "v4_ours", "v4_ours_B4096", "v4_upstream"]
+
+    overlap = v4_probe.parse_args(["--concurrent", "4", "--overlap", "--concurrent-graph", "0"])
+    assert "--disable-overlap-schedule" not in v4_probe.server_flags(overlap)
+    assert "--disable-cuda-graph" in v4_probe.server_flags(overlap)
+    assert "wait_for_staging" not in json.loads(v4_probe.hisparse_config("ours", overlap))
+    sizes = v4_probe.server_flags(v4_probe.parse_args(["--concurrent", "4", "--concurrent-graph", "1"]))
+    assert sizes[sizes.index("--cuda-graph-max-bs") + 1] == "8" and "--cuda-graph-bs" not in sizes
+    assert v4_probe.parse_args(["--concurrent", "14"]).concurrent_length_list[12:] == [16000, 1000]  # cycled
+    assert v4_probe.parse_args(["--concurrent", "2", "--concurrent-lengths", "100,200"]).concurrent_length_list == [100, 200]
+    for bad in (["--abort", "1"], ["--concurrent-only"], ["--concurrent-graph", "F4"], ["--concurrent-lengths", "5"],
+                ["--concurrent", "3", "--abort", "3"], ["--concurrent", "3", "--abort", "-1"],
+                ["--concurrent", "2", "--concurrent-lengths", "100"], ["--concurrent", "2", "--concurrent-lengths", "1,x"],
+                ["--concurrent", "1", "--concurrent-lengths", "16380"],  # + 48 new tokens > 16384
+                ["--concurrent", "2", "--concurrent-lengths", "100,16300", "--abort", "1", "--abort-after", "84"],
+                ["--concurrent", "12", "--concurrent-graph", "F8"], ["--concurrent", "12", "--concurrent-graph", "2"],
+                ["--concurrent", "2", "--abort-after", "0"], ["--concurrent", "-1"],
+                ["--impls", "none@2048"], ["--impls", "ours@x"], ["--impls", "ours@256"], ["--impls", "ours,ours"]):
+        with pytest.raises(SystemExit):
+            v4_probe.parse_args(bad)
+
+
+def test_v4_probe_abort_selection_is_deterministic_and_spread():
+    import v4_probe
+
+    assert v4_probe.abort_indices(12, 3) == [2, 6, 10] and v4_probe.abort_indices(12, 2) == [3, 9]
+    assert v4_probe.abort_indices(12, 0) == [] and v4_probe.abort_indices(1, 0) == []
+    for n in range(1, 40):
+        for k in range(n):
+            chosen = v4_probe.abort_indices(n, k)
+            assert chosen == sorted(set(chosen)) and len(chosen) == k and all(0 <= i < n for i in chosen), (n, k)
+            gaps = [b - a for a, b in zip(chosen, chosen[1:])]
+            assert all(n // k - 1 <= g <= -(-n // k) + 1 for g in gaps), (n, k, chosen)  # evenly spread
+    for n, k in ((3, 3), (3, -1), (0, 0)):
+        with pytest.raises(ValueError, match="abort count"):
+            v4_probe.abort_indices(n, k)
+    rids = v4_probe.request_ids(1200, "abc123")
+    assert len(set(rids)) == 1200 and len({len(r) for r in rids}) == 1
+    assert not any(a != b and b.startswith(a) for a in rids[:150] for b in rids)  # SGLang aborts by prefix
+    assert v4_probe.abort_new_tokens(1000, 64, 16384) == v4_probe.ABORT_BUDGET_FACTOR * 64
+    assert v4_probe.abort_new_tokens(16300, 64, 16384) == 84 and v4_probe.abort_new_tokens(16300, 64, None) == 256
+    body = v4_probe.batch_body([[5, 6], [7]], [4, 9], ["r0", "r1"])
+    assert body["stream"] is True and body["rid"] == ["r0", "r1"] and body["input_ids"] == [[5, 6], [7]]
+    assert [p["max_new_tokens"] for p in body["sampling_params"]] == [4, 9]
+    assert all(p["temperature"] == 0.0 and p["ignore_eos"] for p in body["sampling_params"])
+
+
+def _chunk(index, ids, finish=None, total=None, rid=None):
+    meta = {"id": rid or f"r{index}", "finish_reason": finish, "completion_tokens": len(ids) if total is None else total}
+    return {"index": index, "output_ids": ids, "meta_info": meta}
+
+
+def test_v4_probe_batch_tracker_aborts_once_and_keeps_every_output():
+    import v4_probe
+
+    tracker = v4_probe.BatchTracker(["r0", "r1", "r2"], abort=[1, 2], abort_after=3)
+    assert tracker.update(_chunk(0, [7])) == [] and tracker.update(_chunk(1, [8, 9])) == []
+    assert tracker.update(_chunk(1, [8, 9, 10])) == [1]  # the third token: abort due
+    assert tracker.update(_chunk(1, [8, 9, 10, 11])) == []  # once
+    assert tracker.update(_chunk(2, [1, 2, 3], finish={"type": "length"})) == []  # finished: nothing to abort
+    assert tracker.update(_chunk(0, [12], total=2)) == []  # an incremental chunk is appended
+    tracker.update({"output_ids": [7, 12, 13], "meta_info": {"id": "r0", "completion_tokens": 3,
+                                                             "finish_reason": {"type": "length", "length": 3}}})
+    tracker.update(_chunk(1, [8, 9, 10, 11, 12], finish={"type": "abort", "message": "Aborted", "status_code": None}))
+    tracker.update({"error": {"message": "boom"}})
+    tracker.update(_chunk(7, [1]))
+    assert tracker.done() and len(tracker.errors) == 2 and "boom" in tracker.errors[0]
+    rows = tracker.results([10, 20, 30], [3, 12, 12])
+    assert [r["output_ids"] for r in rows] == [[7, 12, 13], [8, 9, 10, 11, 12], [1, 2, 3]]
+    assert [r["abort_chosen"] for r in rows] == [False, True, True]
+    assert [r["abort_sent_after_tokens"] for r in rows] == [None, 3, None]
+    assert [v4_probe.finish_type(r) for r in rows] == ["length", "abort", "length"]
+    assert [v4_probe.completed(r) for r in rows] == [True, False, False]  # r2 stopped short of its 12
+    lines = [b"data: " + json.dumps(_chunk(0, [1])).encode() + b"\n", b"\n", b": keep-alive\n",
+             "data: " + json.dumps(_chunk(0, [1, 2])) + "\n", b"data: [DONE]\n", b"data: {not json after DONE}\n"]
+    assert [c["output_ids"] for c in v4_probe.sse_payloads(lines)] == [[1], [1, 2]]
+    single = v4_probe.BatchTracker(["only"], abort=[], abort_after=1)
+    single.update({"output_ids": [4], "meta_info": {"id": "other", "completion_tokens": 1, "finish_reason": None}})
+    assert single.ids == [[4]]  # a one-request stream has no index
+
+
+def _concurrent(outputs, finishes=None, max_new=3, abort=(1,), trace="3x2 2x1", pools=None):
+    finishes = finishes or ["length"] * len(outputs)
+    requests = [{"index": i, "prompt_len": 100 * (i + 1), "max_new_tokens": max_new if i not in abort else 50,
+                 "abort_chosen": i in abort, "output_ids": ids, "finish_reason": {"type": f} if f else None}
+                for i, (ids, f) in enumerate(zip(outputs, finishes))]
+    return {"concurrent": {"requests": requests, "decode_trace": trace, "pools_back_to_initial": pools}}
+
+
+def test_v4_probe_compares_the_concurrent_requests_and_records_the_aborted_ones():
+    import v4_probe
+
+    base = _concurrent([[1, 2, 3], [4, 5], [6, 7, 8], [9, 9, 9]], ["length", "abort", "length", "length"])
+    ours = _concurrent([[1, 2, 3], [4, 5, 6, 7], [6, 7, 8], [9, 9, 9]], ["length", "abort", "length", "length"], pools=True)
+    upstream = _concurrent([[1, 2, 3], [4], [6, 0, 8], [9, 9]], ["length", "length", "length", None], trace="3x3")
+    cmp = v4_probe.compare_concurrent({"none": base, "ours": ours, "upstream": upstream, "skipped": {"started": False},
+                                       "failed": {"concurrent": {"error": "stopped"}}})
+    assert cmp["baseline"] == "none" and set(cmp["against"]) == {"ours", "upstream"} and cmp["identical"] is False
+    assert cmp["not_run"] == ["skipped", "failed"]
+    good = cmp["against"]["ours"]
+    assert good["identical"] is True and (good["identical_count"], good["compared"]) == (3, 3)
+    assert [r["index"] for r in good["per_request"]] == [0, 2, 3]  # the aborted request is not compared
+    assert good["aborted"] == [{"index": 1, "prompt_len": 200, "finish": "abort", "tokens": 4, "baseline_finish": "abort",
+                                "baseline_tokens": 2}]
+    assert good["aborts_took_effect"] is True and good["pools_back_to_initial"] is True and good["decode_trace_equal"]
+    bad = cmp["against"]["upstream"]
+    assert [r["first_diff"] for r in bad["per_request"]] == [None, 1, -1]  # -1: did not complete
+    assert bad["identical_count"] == 1 and bad["identical"] is False and bad["aborts_took_effect"] is False
+    assert bad["pools_back_to_initial"] is None and bad["decode_trace_equal"] is False
+    assert v4_probe.compare_concurrent({"none": base, "ours": {"requests": []}}) == {
+        "baseline": "none", "against": {}, "identical": None, "not_run": ["ours"]}
+    assert v4_probe.compare_concurrent({})["baseline"] is None
+    assert v4_probe.concurrent_served(ours) and not v4_probe.concurrent_served(upstream)
+    assert not v4_probe.concurrent_served({"concurrent": {"error": "x"}})
+
+
+def test_v4_probe_reads_idle_lines_schedules_and_retractions_from_the_log():
+    import v4_probe
+
+    idle = ("[2026-12-06 02:40:30] sglang-hisparse idle (DeepSeek-V4 C4): token_free=131072/131072 swa_free=13056/13056 "
+            "c4_rows_free=16384/16384 c4_host_free=32768/32768 leak=no selected=65465 misses=430 miss_rate=0.0066")
+    leaked = idle.replace("c4_rows_free=16384/16384", "c4_rows_free=16320/16384").replace("leak=no", "leak=yes")
+    reports = v4_probe.idle_reports("\n".join(["x", idle, "DSA: sglang-hisparse idle: a=1/1 leak=no selected=0 misses=0",
+                                               leaked]))
+    assert len(reports) == 2 and reports[0]["counts"]["c4_host_free"] == (32768, 32768)
+    assert (reports[0]["selected"], reports[0]["misses"], reports[0]["leak"]) == (65465, 430, False)
+    assert [v4_probe.pools_back(r) for r in reports] == [True, False] and v4_probe.pools_back(None) is None
+    assert v4_probe.pools_back({"counts": {"a": (1, 2)}, "leak": False}) is False
+    log = "\n".join([_prefill(8192), _prefill(8192), _prefill(3000), _decode(3, 9.0), _decode(3, 9.0), _prefill(600),
+                     _decode(4, 9.0), _decode(4, 9.0), _decode(2, 9.0),
+                     "[x] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_tokens_gained: 512",
+                     "[x] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 256"])
+    batches = decode_log.parse_batches(log)
+    assert v4_probe.schedule_trace(batches) == "p8192 p8192 p3000 3x2 p600 4x2 2x1"
+    assert decode_log.decode_trace(batches) == "3x2 4x2 2x1" and v4_probe.schedule_trace([]) == ""
+    assert v4_probe.retractions(log) == 3 and v4_probe.retractions("Testing retraction. #retracted_reqs: 5") == 0
+
+
+class _FakeV4Server:
+    """A stand-in for SGLang's HTTP server with what the concurrent phase uses: a batched, streamed
+    /generate (cumulative output ids per step, ``index`` per request, aborts by rid prefix as SGLang's
+    scheduler does), /abort_request, /server_info, and a log with batch lines and ours' idle line."""
+
+    def __init__(self, idle_line: bool):
+        import http.server
+
+        self.lines, self.aborted, self.idle_line = ["server up"], set(), idle_line
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/abort_request":
+                    fake.aborted.add(body["rid"])
+                    self.send_response(200)
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                fake.stream(self.wfile, body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def stream(self, wfile, body):
+        rids, params = body["rid"], body["sampling_params"]
+        outs, done = [[] for _ in rids], [False] * len(rids)
+        self.lines.append(_prefill(sum(len(p) for p in body["input_ids"])))
+        while not all(done):
+            time.sleep(0.02)
+            running = [i for i in range(len(rids)) if not done[i]]
+            self.lines.append(_decode(len(running), 100.0))
+            for i in running:
+                outs[i].append(len(outs[i]) + 10 * i)
+                reason = None
+                if any(rids[i].startswith(a) for a in self.aborted):
+                    reason = {"type": "abort", "message": "Aborted", "status_code": None}
+                elif len(outs[i]) == params[i]["max_new_tokens"]:
+                    reason = {"type": "length", "length": len(outs[i])}
+                done[i] = reason is not None
+                chunk = {"index": i, "output_ids": outs[i],
+                         "meta_info": {"id": rids[i], "finish_reason": reason, "completion_tokens": len(outs[i])}}
+                wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                wfile.flush()
+        wfile.write(b"data: [DONE]\n\n")
+        if self.idle_line:
+            self.lines.append("sglang-hisparse idle (DeepSeek-V4 C4): token_free=8/8 swa_free=4/4 c4_rows_free=2/2 "
+                              "c4_host_free=4/4 leak=no selected=10 misses=1 miss_rate=0.1")
+
+    def abort(self, rid):
+        from sglang_hisparse.serving.launcher import post_json
+
+        post_json(f"{self.url}/abort_request", {"rid": rid}, 30)
+
+    def log(self):
+        return "\n".join(self.lines) + "\n"
+
+
+def test_v4_probe_concurrent_phase_streams_one_batch_and_aborts_by_rid():
+    """The phase against a stand-in server: one streamed batch, the chosen requests aborted once
+    they have their tokens, the others complete, ours' idle line read after the phase."""
+    import v4_probe
+
+    args = v4_probe.parse_args(["--concurrent", "5", "--concurrent-lengths", "10,20,30,40,50", "--abort", "2",
+                                "--abort-after", "3", "--new-tokens", "6", "--request-timeout", "30"])
+    plan = v4_probe.concurrent_plan(args)
+    assert plan["abort_indices"] == [1, 3] and plan["max_new_tokens"] == [6, 24, 6, 24, 6]
+    for impl, idle in (("ours@4096", True), ("none", False)):
+        server = _FakeV4Server(idle_line=idle)
+        try:
+            out = v4_probe.run_concurrent(server, impl, args, plan, v4_probe.prompts(plan["lengths"], 2048, 1),
+                                          time.time() + 120)
+        finally:
+            server.httpd.shutdown()
+        assert "error" not in out and out["errors"] == []
+        rows = out["requests"]
+        assert [v4_probe.finish_type(r) for r in rows] == ["length", "abort", "length", "abort", "length"]
+        assert all(v4_probe.completed(r) for r in rows if not r["abort_chosen"])
+        assert all(3 <= len(rows[i]["output_ids"]) < 24 and rows[i]["abort_sent_after_tokens"] == 3 for i in (1, 3))
+        assert len({r["rid"] for r in rows}) == 5 and all(r["rid"] in server.aborted for r in rows if r["abort_chosen"])
+        assert out["schedule"].startswith("p150 5x") and out["max_running"] == 5 and out["retracted"] == 0
+        assert out["pools_back_to_initial"] is (True if idle else None)
+        assert sorted(out["digests"]) == ["0", "1", "2", "3", "4"]
+
+
+def test_v4_probe_main_records_the_concurrent_plan_when_no_server_starts(tmp_path, monkeypatch):
+    import v4_probe
+
+    def no_server(**kwargs):
+        raise RuntimeError(f"{kwargs['name']} exited with 1")
+
+    monkeypatch.setattr(v4_probe, "LOG_DIR", tmp_path / "logs")
+    monkeypatch.setattr(v4_probe, "start_server", no_server)
+    monkeypatch.setattr(v4_probe, "device_info", lambda: {"nvidia_smi": "none"})
+    out = tmp_path / "v.json"
+    assert v4_probe.main(["--impls", "none,ours@2048", "--concurrent", "3", "--concurrent-lengths", "8,16,24",
+                          "--abort", "1", "--concurrent-only", "--out", str(out)]) == 1
+    report = json.loads(out.read_text())
+    assert report["lengths"] == [] and report["concurrent"]["abort_indices"] == [1]
+    assert report["concurrent"]["lengths"] == [8, 16, 24] and report["compare_concurrent"]["baseline"] is None
+    assert json.loads(report["impls"]["ours@2048"]["hisparse_config"])["wait_for_staging"] is True
+    assert "--cuda-graph-bs" in report["server_flags"] and "--disable-overlap-schedule" in report["server_flags"]
