@@ -10,7 +10,8 @@ rows only where a short hot buffer or a resident request starts a new page; a lo
 reuses its newest slot. For batches on our allocator this hook checks both: the logical space and
 host rows (``decode_available_size()``) against SGLang's count of the step's new tokens, and the
 device rows against what the coordinator says the step lacks after demoting resident requests
-(``HiSparseCoordinator.device_rows_short``). So SGLang retracts exactly when the device rows the
+(``HiSparseCoordinator.device_rows_short``). With the radix cache on, cached prefixes are evicted
+first when ids or host rows are short (they hold both, no device rows). So SGLang retracts exactly when the device rows the
 step needs cannot be found, as it does without HiSparse when its pool is full. A DeepSeek-V4 batch
 (our ``C4Allocator``) runs SGLang's check of its token ids, then the C4 rows the step's new entries
 need (``C4Coordinator.device_rows_short``). Any other batch runs SGLang's original check unchanged.
@@ -35,8 +36,16 @@ def check_decode_mem(original: Callable[..., bool], batch: Any, selected_indices
             return False
     elif not isinstance(allocator, HiSparseAllocator):
         return original(batch, selected_indices)
-    elif allocator.decode_available_size() < batch.new_tokens_required_next_decode(selected_indices):
-        return False
+    else:
+        needed = batch.new_tokens_required_next_decode(selected_indices)
+        short = needed - allocator.decode_available_size()
+        tree = getattr(batch, "tree_cache", None)
+        if short > 0 and tree is not None and not tree.is_chunk_cache():  # prefix reuse: cached prefixes go first
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            tree.evict(EvictParams(num_tokens=short))
+        if allocator.decode_available_size() < needed:
+            return False
     coordinator = getattr(batch, "hisparse_coordinator", None)
     if coordinator is None:
         raise HiSparsePluginError("sglang-hisparse: a decode batch on the HiSparse allocator has no coordinator; "

@@ -62,6 +62,7 @@ def read_settings(server_args: Any) -> ServerSettings:
         speculative_adaptive=bool(server_args.speculative_adaptive),
         enable_multi_layer_eagle=bool(server_args.enable_multi_layer_eagle),
         disable_overlap_schedule=bool(server_args.disable_overlap_schedule),
+        enable_hierarchical_cache=bool(server_args.enable_hierarchical_cache),
     )
 
 

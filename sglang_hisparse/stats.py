@@ -116,6 +116,8 @@ class ResolveStats:
         self._export = None
         self.residency = None
         """The coordinator's :class:`~sglang_hisparse.memory.residency.Residency` when residency is on."""
+        self.prefix_cache = None
+        """The radix cache holding finished requests' ids and host rows (``HostPrefixCache``), when on."""
 
     def export_to(self, export, gauges: Callable[[], object], interval: int = 40) -> None:
         """Publish to ``export`` (a :class:`sglang_hisparse.metrics.PrometheusExport`) every
@@ -157,7 +159,8 @@ class ResolveStats:
 
     def idle_report(self) -> Optional[str]:
         """The idle line when activity happened since the last one, else None. Logged at ERROR
-        with ``leak=yes`` when a pool's free count differs from its initial value."""
+        with ``leak=yes`` when a pool's free count differs from its initial value (less the ids and
+        host rows the prefix cache holds, ``cached=``, when it is on)."""
         if not self._busy:
             return None
         self._busy = False
@@ -165,8 +168,13 @@ class ResolveStats:
         selected, misses = self.totals()
         if self._export is not None:
             self._export[0].publish(selected, misses, self._decode_steps, self._export[1]())
-        leak = counts != self.initial
+        cached = self.prefix_cache.held_tokens() if self.prefix_cache is not None else 0
+        expected = {name: value - (cached if name in ("logical_free", "host_free") else 0)
+                    for name, value in self.initial.items()}  # the cache holds one id and one host row per token
+        leak = counts != expected
         pools = " ".join(f"{name}={value}/{self.initial[name]}" for name, value in counts.items())
+        if self.prefix_cache is not None:
+            pools += f" cached={cached}"
         line = (
             f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
             f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"

@@ -32,6 +32,7 @@ def test_the_cpu_engine_ignores_gpu_backend_flags():
 
 def test_a_supported_server_passes():
     check_server_settings(GOOD)
+    check_server_settings(dataclasses.replace(GOOD, disable_radix_cache=False))  # prefix reuse
     check_server_settings(dataclasses.replace(GOOD, kv_cache_dtype="fp8_e4m3",
                                               dsa_prefill_backend="flashmla_kv",
                                               dsa_decode_backend=None))
@@ -41,7 +42,11 @@ def test_a_supported_server_passes():
     "change, fragment",
     [
         (dict(is_dsa_model=False, architecture="Qwen2ForCausalLM"), "Qwen2ForCausalLM has no DSA indexer"),
-        (dict(disable_radix_cache=False), "requires --disable-radix-cache"),
+        (dict(disable_radix_cache=False, speculative_algorithm="EAGLE", speculative_eagle_topk=1,
+              disable_overlap_schedule=True), "radix cache on (prefix reuse) does not support --speculative-algorithm=EAGLE"),
+        (dict(disable_radix_cache=False, disaggregation_mode="decode"),
+         "radix cache on (prefix reuse) does not support --disaggregation-mode=decode"),
+        (dict(disable_radix_cache=False, enable_hierarchical_cache=True), "does not support --enable-hierarchical-cache"),
         (dict(kv_cache_dtype="fp8_e5m2"), "invalid --kv-cache-dtype=fp8_e5m2"),
         (dict(dsa_decode_backend="tilelang"), "invalid --dsa-decode-backend=tilelang"),
         (dict(kv_cache_dtype="fp8_e4m3"), "invalid --dsa-prefill-backend=flashmla_sparse"),
@@ -170,7 +175,7 @@ def _launcher_view(config: str, **overrides):
         speculative_algorithm=None, pp_size=1, device="cuda", base_gpu_id=0, dcp_size=1, attn_cp_size=1,
         enable_prefill_cp=False, disaggregation_mode="null", enable_unified_memory=False,
         speculative_eagle_topk=None, speculative_num_draft_tokens=None, speculative_adaptive=False,
-        enable_multi_layer_eagle=False, disable_overlap_schedule=False,
+        enable_multi_layer_eagle=False, disable_overlap_schedule=False, enable_hierarchical_cache=False,
         get_model_config=lambda: model,
     )
     values.update(overrides)
@@ -261,7 +266,8 @@ def test_a_refusal_from_python_raises_and_the_pool_bound_is_checked():
 REFUSALS = {
     "unknown key": (['--hisparse-config', '{"device_bufer_size": 128}'], "error: --hisparse-config: unknown key(s) device_bufer_size"),
     "missing file": (['--hisparse-config', 'no/such/hisparse.json'], "error: --hisparse-config: 'no/such/hisparse.json' is neither inline JSON"),
-    "radix cache on": (['--hisparse-config', '{}', '--no-disable-radix-cache'], "error: --enable-hisparse requires --disable-radix-cache"),
+    "radix cache with HiCache": (['--hisparse-config', '{}', '--no-disable-radix-cache', '--enable-hierarchical-cache'],
+                                 "error: --enable-hisparse does not support --enable-hierarchical-cache"),
     "hot buffer above the pool": (['--hisparse-config', '{"device_buffer_size": 4040}', '--max-total-tokens', '4096'],
                                   "error: sglang-hisparse: invalid device_buffer_size=4040"),
 }

@@ -113,7 +113,7 @@ class HiSparseCoordinator:
                      stats=self.stats, resident=self._resident_decode)
         self._steps = DecodeSteps(config, **parts)
         self._requests = RequestLifecycle(config, tp_group=tp_group, device_pool=self.device_pool,
-                                          quiesce=self._wait_for_producer, **parts)
+                                          quiesce=self._wait_for_producer, rows_now=self._steps.rows_now, **parts)
         logger.info("sglang-hisparse coordinator: B=%d, top_k=%d, layers=%d, resolver=%s, residency=%s; %s",
                     device_buffer_size, top_k, self.device_pool.layer_num, resolver.name, residency_label(config),
                     capacity_line(self.capacity))
@@ -232,6 +232,13 @@ class HiSparseCoordinator:
 
     def retract_req(self, req) -> None:
         self.request_finished(req)
+
+    def attach_prefix_cache(self, cache: Any) -> None:
+        """The radix cache is on: finishing requests hand their host rows to ``cache`` (a
+        ``HostPrefixCache``), which loads matched prefixes through this coordinator's pools."""
+        self._requests.prefix_cache = cache
+        self.stats.prefix_cache = cache
+        cache.attach(self)
 
     # --- helpers -----------------------------------------------------------------------------
     def device_rows_now(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

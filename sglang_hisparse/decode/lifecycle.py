@@ -36,7 +36,8 @@ logger = logging.getLogger("sglang_hisparse.decode.coordinator")
 
 class RequestLifecycle:
     def __init__(self, config: HiSparseConfig, *, tp_group, allocator, device_pool, req_to_token_pool, hot, mirror,
-                 stats, resident: Optional[ResidentDecode], quiesce: Callable[[], None]):
+                 stats, resident: Optional[ResidentDecode], quiesce: Callable[[], None],
+                 rows_now: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None):
         self.config, self.tp_group = config, tp_group
         self.allocator, self.device_pool, self.req_to_token_pool = allocator, device_pool, req_to_token_pool
         self.hot, self.mirror, self.stats = hot, mirror, stats
@@ -46,6 +47,12 @@ class RequestLifecycle:
         """Orders the current stream after the overlapped forward in flight (the coordinator's)."""
         self.host_time = allocator.host_time
         """Where :func:`~sglang_hisparse.stats.timed` adds our host time (the allocator's)."""
+        self.rows_now = rows_now
+        """Device rows holding positions of decoding requests now (the decode steps'): what a
+        finishing request's last write-through reads."""
+        self.prefix_cache: Any = None
+        """The radix cache that takes finishing requests' host rows (``HostPrefixCache``; None
+        with the radix cache off: a finishing request's host rows are freed)."""
         self._waiting_since: Optional[str] = None
         self._draft_state: dict[int, Any] = {}
 
@@ -150,7 +157,11 @@ class RequestLifecycle:
         still in staging leaves staging. Only a hot buffer's ids are unmapped: a resident
         request's ids stay mapped to its own rows for SGLang's free of them, which follows, and
         a request holding neither has nothing mapped of ours (a PD request whose transfer failed)
-        or is gone already."""
+        or is gone already.
+
+        With the prefix cache on, the request's committed positions are written through first and
+        its host rows are handed to the cache instead of freed (its ``cache_finished_req``, which
+        SGLang calls next, adopts or frees them)."""
         idx = req.req_pool_idx
         if idx is None:
             return
@@ -159,13 +170,19 @@ class RequestLifecycle:
             self._leave_staging(req)
             return
         self.quiesce()  # the overlapped forward may still read its rows
+        holds_rows = self.hot.holds(idx) or (self.residency is not None and self.residency.holds(idx))
+        if self.prefix_cache is not None and holds_rows:
+            self.mirror.write_through([idx], [req.kv_committed_len + 1], self.rows_now)
         self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
         if self.residency is not None and self.residency.holds(idx):
             self.residency.release(idx)
         elif self.hot.holds(idx):
             self.allocator.unmap_logical(self.logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)
-        self.mirror.forget(idx)
+        if self.prefix_cache is not None and holds_rows:
+            self.prefix_cache.hand_over(idx, *self.mirror.hand_over(idx))
+        else:
+            self.mirror.forget(idx)
         self.stats.note_activity()
 
     def _leave_staging(self, req) -> None:

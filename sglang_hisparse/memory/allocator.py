@@ -228,9 +228,16 @@ class HiSparseAllocator(HotBufferRows, BaseTokenToKVPoolAllocator):
             self.free_group.append(free_index)
             return
         free_index = free_index.long()  # SGLang frees req_to_token's int32 ids; index_fill_ takes int64
-        self.rows.free_unowned(self.mapping.rows_of(free_index))
-        self.mapping.forget(free_index)
+        self.release_device_rows(free_index)
         self.logical.free_tokens(free_index)
+
+    def release_device_rows(self, logical_ids: torch.Tensor) -> None:
+        """The device rows mapped to ``logical_ids`` that no hot buffer owns go back to the free
+        list; the ids stay allocated, unmapped, their pages no longer resident (the prefix cache
+        adopting a finished request's ids: it keeps their KV in host rows only)."""
+        logical_ids = logical_ids.long()
+        self.rows.free_unowned(self.mapping.rows_of(logical_ids))
+        self.mapping.forget(logical_ids)
 
     def get_last_loc_compressed(self, last_locs: torch.Tensor) -> torch.Tensor:
         return last_locs

@@ -136,6 +136,17 @@ class HiSparseDevicePool(DSATokenToKVPool):
         for buf, kept in zip(self.index_k_with_scale_buffer, pages):
             buf[target.to(buf.device)] = kept.to(buf.device)
 
+    def copy_index_key_pages(self, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        """Copy the indexer-key pages holding ``src_ids`` into those holding ``dst_ids`` (the same
+        positions under other ids, page-aligned: in-page offsets are kept), on the device, every
+        layer. Side effect: the indexer-key buffer's ``dst`` pages."""
+        src = torch.unique_consecutive(src_ids.to(torch.int64) // self.page_size)
+        dst = torch.unique_consecutive(dst_ids.to(torch.int64) // self.page_size)
+        if src.numel() != dst.numel():
+            raise ValueError(f"{src.numel()} indexer-key pages to copy into {dst.numel()}")
+        for buf in self.index_k_with_scale_buffer:
+            buf[dst.to(buf.device)] = buf[src.to(buf.device)]
+
     def get_cpu_copy(self, indices, mamba_indices=None):
         raise NotImplementedError("sglang-hisparse: the HiSparse device pool has no CPU copy path")
 

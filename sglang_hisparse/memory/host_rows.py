@@ -97,6 +97,15 @@ class RequestRowRecord:
         lengths[req_pool_idx] = 0
         return freed
 
+    def release_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> None:
+        """Clear a request's record, table row (to -1) and allocated end without freeing its rows
+        (their new owner frees them: the prefix cache, ``HostMirror.hand_over``)."""
+        allocated = int(lengths[req_pool_idx])
+        self._rows_of.pop(req_pool_idx, None)
+        if allocated:
+            table[req_pool_idx, :allocated] = -1
+            lengths[req_pool_idx] = 0
+
     def rows_of(self, req_pool_idx: int) -> torch.Tensor:
         """The host rows of a request slot in position order (CPU int64; empty for none): its
         table row up to its allocated end. No side effects."""

@@ -83,12 +83,15 @@ class Server:
         """Every ``sglang-hisparse idle`` line of the log, parsed."""
         reports = []
         for m in IDLE_LINE.finditer(self.log()):
-            counts = {}
+            counts, cached = {}, 0
             for part in m.group(1).split():
                 name, value = part.split("=")
+                if name == "cached":  # tokens the prefix cache holds (radix cache on)
+                    cached = int(value)
+                    continue
                 now, initial = value.split("/")
                 counts[name] = (int(now), int(initial))
-            reports.append({"counts": counts, "leak": m.group(2) == "yes",
+            reports.append({"counts": counts, "cached": cached, "leak": m.group(2) == "yes",
                             "selected": int(m.group(3)), "misses": int(m.group(4)),
                             "steps": int(m.group(5) or 0), "host_us_per_step": float(m.group(6) or 0.0),
                             "resident": int(m.group(7) or 0), "admitted_resident": int(m.group(8) or 0),
@@ -144,17 +147,21 @@ def start_server(
     name: str = "server",
     max_total_tokens: int = 16384,
     ready_timeout: float = 600.0,
+    radix_cache: bool = False,
 ) -> Server:
-    """Launch a server and wait until /health answers (raises with the log tail if it dies)."""
+    """Launch a server and wait until /health answers (raises with the log tail if it dies).
+    ``radix_cache``: leave SGLang's radix cache on (prefix reuse); off by default."""
     cpu = (not has_cuda()) if cpu is None else cpu
     port = free_port()
     model_path = Path(model) if os.path.isdir(model) else MODELS_DIR / model
     args = [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(model_path), "--load-format", "dummy", "--skip-tokenizer-init",
-        "--disable-radix-cache", "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port),
         "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
     ]
+    if not radix_cache:
+        args.append("--disable-radix-cache")
     if cpu:
         args += ["--device", "cpu"]
     if hisparse_config is not None:

@@ -46,6 +46,8 @@ def function_seams() -> list[ModuleType]:
         metrics,
         pd_bootstrap_check,
         pd_retraction,
+        prefix_cache,
+        prefix_cache_attach,
         request_admission,
         staging_draft,
         validation,
@@ -54,7 +56,8 @@ def function_seams() -> list[ModuleType]:
     )
 
     seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction,
-             pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft, c4_sparse_prefill]
+             pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft, c4_sparse_prefill,
+             prefix_cache, prefix_cache_attach]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,

@@ -46,6 +46,7 @@ class ServerSettings:
     speculative_adaptive: bool = False
     enable_multi_layer_eagle: bool = False
     disable_overlap_schedule: bool = False
+    enable_hierarchical_cache: bool = False
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -57,10 +58,6 @@ def check_server_settings(s: ServerSettings) -> None:
         raise HiSparseConfigError(
             f"--enable-hisparse: model {s.architecture} has no DSA indexer; HiSparse serves "
             "DSA models (DeepSeek-V3.2, GLM-5)"
-        )
-    if not s.disable_radix_cache:
-        raise HiSparseConfigError(
-            "--enable-hisparse requires --disable-radix-cache (each request owns its KV)"
         )
     if s.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise HiSparseConfigError(
@@ -81,6 +78,8 @@ def check_server_settings(s: ServerSettings) -> None:
             "not share a batch with prefill chunks)"
         )
     _check_speculation(s)
+    if not s.disable_radix_cache:
+        _check_prefix_reuse(s)
     if s.pp_size != 1:
         raise HiSparseConfigError(
             f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)"
@@ -88,11 +87,30 @@ def check_server_settings(s: ServerSettings) -> None:
     _check_parallel_layout(s)
 
 
+def _check_prefix_reuse(s: ServerSettings) -> None:
+    """The radix cache on (prefix reuse, ``prefix/host_tree.py``): colocated serving without
+    speculation. What SGLang would build instead of a plain radix cache (HiCache, other backends) is
+    refused where the cache is built (``patches/prefix_cache.py``)."""
+    if s.speculative_algorithm:
+        raise HiSparseConfigError(
+            f"--enable-hisparse with the radix cache on (prefix reuse) does not support --speculative-algorithm="
+            f"{s.speculative_algorithm}: add --disable-radix-cache")
+    if s.disaggregation_mode != "null":
+        raise HiSparseConfigError(
+            f"--enable-hisparse with the radix cache on (prefix reuse) does not support --disaggregation-mode="
+            f"{s.disaggregation_mode}: add --disable-radix-cache")
+    if s.enable_hierarchical_cache:
+        raise HiSparseConfigError(
+            "--enable-hisparse does not support --enable-hierarchical-cache (HiCache keeps its own host copy of "
+            "the KV; the radix cache alone reuses prefixes with HiSparse): leave it off")
+
+
 def _check_deepseek_v4(s: ServerSettings) -> None:
     """DeepSeek-V4 (its C4 layers' entries go through HiSparse; SGLang picks its attention
     backend and KV dtype itself): colocated serving without speculation."""
     if not s.disable_radix_cache:
-        raise HiSparseConfigError("--enable-hisparse requires --disable-radix-cache (each request owns its KV)")
+        raise HiSparseConfigError(
+            "--enable-hisparse with DeepSeek-V4 requires --disable-radix-cache (prefix reuse serves DSA models only)")
     if s.enable_mixed_chunk:
         raise HiSparseConfigError(
             "--enable-hisparse: --enable-mixed-chunk is not supported (decode requests must not share a batch "

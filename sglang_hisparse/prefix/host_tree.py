@@ -1,0 +1,198 @@
+"""The radix cache of a HiSparse server: cached prefixes live in host rows, not on the device.
+
+SGLang's ``RadixCache`` keeps each cached token's logical id (its KV index) in the tree. With
+HiSparse a logical id's KV is in a host row; a device row holds it only while a request prefills
+or decodes resident. :class:`HostPrefixCache` keeps SGLang's tree (keys, splits, locks, eviction
+order) and changes what a node's ids carry and how a match is served:
+
+* **a cached token** is a logical id the tree owns, with its indexer key on the device (keys live
+  at logical ids: whoever owns the id owns the key) and its KV in the host row
+  ``host_rows_of[id]``; no device row (nothing is mapped to a tree-owned id).
+* **a match** is reported to SGLang as a host hit (``host_hit_length``), so SGLang's prefill
+  admission calls :meth:`init_load_back` under the node's lock: the request gets ids of its own
+  with device rows, the indexer keys are copied device to device, the KV host to device, on the
+  current stream. The request then prefills only its unmatched part and decodes exactly as one that
+  prefilled everything (its prefix ids and rows are its own).
+* **at finish** our coordinator writes the request's pending KV through and hands over its host
+  rows (:meth:`hand_over`, from ``request_finished``, which SGLang calls first);
+  :meth:`cache_finished_req` (SGLang's call right after) inserts the page-aligned committed
+  tokens, adopts the ids and host rows of the part the tree did not have, and frees everything
+  else the request held: the ids of its loaded prefix copy, its duplicates, its unaligned tail.
+* **a running request's prefix is not shared** (:meth:`cache_unfinished_req` inserts nothing):
+  it becomes reusable when the request finishes.
+* **eviction** (SGLang's, by its policy) frees a leaf's host rows here and its ids through the
+  allocator; :meth:`reset` (``/flush_cache``, idle only) frees every host row the tree holds.
+* **room**: :meth:`evictable_size` is what evicting would add to the allocator's room (logical
+  ids and host rows come back, device rows do not), so SGLang's ``available + evictable`` stays
+  exact.
+
+Owns: the tree (SGLang's structure) and ``host_rows_of`` (host row of each tree-owned id, -1
+for none) with the handed-over rows of finishing requests until SGLang's ``cache_finished_req``.
+Not owned: the host rows' bytes and free list (the coordinator's host mirror), the ids' free list
+and device rows (the allocator).
+
+Limits: one tree per scheduler process (attention TP ranks build identical trees from identical
+calls); a DSA model; no speculation, PD or DeepSeek-V4 (refused at start-up by server_checks).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class HandedOver:
+    """A finishing request's host rows, in position order, complete for positions ``[0, complete)``."""
+
+    rows: torch.Tensor
+    complete: int
+
+
+class HostPrefixCache(RadixCache):
+    """SGLang's radix cache over host rows (module docstring). Built by ``patches/prefix_cache.py``;
+    the coordinator attaches itself with :meth:`attach` before the first request."""
+
+    def __init__(self, params: Any):
+        self.host_rows_of: Optional[torch.Tensor] = None  # RadixCache.__init__ calls reset()
+        super().__init__(params)
+        allocator = self.token_to_kv_pool_allocator
+        self.host_rows_of = torch.full((allocator.size_full + 1,), -1, dtype=torch.int64)
+        """Host row of each tree-owned logical id (-1: none). CPU."""
+        self._handed: dict[int, HandedOver] = {}
+        self.coordinator: Any = None
+        self.loaded_tokens = 0
+        """Tokens served from the tree since start (loaded, not prefilled)."""
+
+    def attach(self, coordinator: Any) -> None:
+        """The coordinator whose host mirror, device pool and allocator serve the loads."""
+        self.coordinator = coordinator
+
+    # --- matching --------------------------------------------------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        """The longest cached page-aligned prefix, reported as a host hit: no device indices; the
+        matched node is where :meth:`init_load_back` starts (SGLang locks it through the prefill)."""
+        found = super().match_prefix(params)
+        hit = int(found.device_indices.numel())
+        if hit == 0:
+            return found
+        return MatchResult(device_indices=self._empty_match_result.device_indices, last_device_node=self.root_node,
+                           last_host_node=found.last_device_node, best_match_node=found.last_device_node,
+                           host_hit_length=hit, full_kv_hit_length=hit)
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
+        """Give the request ``host_hit_length`` ids of its own holding the matched prefix: device
+        rows for them (the allocator's ``alloc``), the tree ids' indexer-key pages copied into theirs,
+        the KV loaded from the tree's host rows, on the current stream (ordered after the copies that
+        wrote those rows: the coordinator orders the stream after them when it hands rows over).
+        Returns ``(ids, node)``; ``(empty, root)`` when no rows are free (the request prefills all)."""
+        node, hit = params.best_match_node, params.host_hit_length
+        tree_ids = self._path_ids(node)[:hit]
+        ids = self.token_to_kv_pool_allocator.alloc(hit) if hit else None
+        if ids is None:
+            logger.info("sglang-hisparse: prefix of %d tokens not loaded (no device rows free); prefilled instead", hit)
+            return self._empty_match_result.device_indices, self.root_node
+        host_rows = self.host_rows_of[tree_ids.cpu()]
+        if bool((host_rows < 0).any()):
+            raise AssertionError("sglang-hisparse: a cached prefix token has no host row")
+        coordinator = self.coordinator
+        coordinator.device_pool.copy_index_key_pages(tree_ids, ids)
+        coordinator.mirror.pool.load_rows(coordinator.device_pool, host_rows,
+                                          self.token_to_kv_pool_allocator.device_rows_of(ids))
+        self.loaded_tokens += hit
+        return ids.to(torch.int64), node
+
+    def _path_ids(self, node: Any) -> torch.Tensor:
+        """The ids of every token from the root to ``node``, in order."""
+        parts = []
+        while node is not None and node is not self.root_node:
+            parts.append(node.value)
+            node = node.parent
+        if not parts:
+            return self._empty_match_result.device_indices
+        return torch.cat(parts[::-1]).to(torch.int64)
+
+    # --- requests leaving --------------------------------------------------------------------------
+    def hand_over(self, req_pool_idx: int, rows: torch.Tensor, complete: int) -> None:
+        """A finishing request's host rows (position order; positions ``[0, complete)`` hold its
+        KV), kept until :meth:`cache_finished_req` adopts or frees them (the coordinator's call).
+        A slot holds one hand-over at a time (AssertionError otherwise: rows would be lost)."""
+        if req_pool_idx in self._handed:
+            raise AssertionError(f"sglang-hisparse: request slot {req_pool_idx} handed over its host rows twice")
+        self._handed[req_pool_idx] = HandedOver(rows.to(torch.int64).cpu(), complete)
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, *, kv_len_to_handle: int) -> None:
+        """Insert the request's page-aligned committed tokens whose KV reached host rows; adopt the
+        ids and rows of the part the tree lacked, free the rest (module docstring); unlock."""
+        allocator = self.token_to_kv_pool_allocator
+        handed = self._handed.pop(req.req_pool_idx, None)
+        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
+        ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
+        insert_len = 0
+        if is_insert and handed is not None:
+            insert_len = min(len(token_ids), handed.complete) // self.page_size * self.page_size
+        adopted_from = insert_len
+        if insert_len:
+            key = RadixKey(token_ids[:insert_len], req.extra_key, is_bigram=self.is_eagle)
+            from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+            result = self.insert(InsertParams(key=key, value=ids[:insert_len].clone(),
+                                              priority=getattr(req, "priority", 0) or 0))
+            adopted_from = result.prefix_len
+            adopted = ids[adopted_from:insert_len]
+            if adopted.numel():
+                allocator.release_device_rows(adopted)  # C3: tree-owned ids have no device rows
+                self.host_rows_of[adopted.cpu()] = handed.rows[adopted_from:insert_len]
+        allocator.free(torch.cat([ids[:adopted_from], ids[insert_len:]]))
+        if handed is not None:
+            self.coordinator.mirror.free_rows(torch.cat([handed.rows[:adopted_from], handed.rows[insert_len:]]))
+        if req.last_node is not None:
+            self.dec_lock_ref(req.last_node)
+
+    def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
+        """A running request's prefix is not shared: its ids stay its own (SGLang's chunk-cache
+        behaviour: the next chunk continues from them)."""
+        ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
+        req.prefix_indices = ids.to(dtype=torch.int64, copy=True)
+
+    # --- eviction and room ---------------------------------------------------------------------------
+    def _delete_leaf(self, node: Any) -> None:
+        """SGLang's eviction frees the leaf's ids (the allocator) and then deletes it: its host rows
+        are freed here."""
+        ids = node.value.to(torch.int64).cpu()
+        rows = self.host_rows_of[ids]
+        self.host_rows_of[ids] = -1
+        self.coordinator.mirror.free_rows(rows[rows >= 0])
+        super()._delete_leaf(node)
+
+    def reset(self) -> None:
+        """Empty the tree (``/flush_cache``, only when idle): every host row it holds is freed.
+        The ids go back with SGLang's ``allocator.clear()``, which follows."""
+        if self.host_rows_of is not None:
+            held = self.host_rows_of[self.host_rows_of >= 0]
+            if held.numel():
+                self.coordinator.mirror.free_rows(held)
+            self.host_rows_of.fill_(-1)
+            if self.coordinator is not None:
+                self.coordinator.stats.note_activity()  # the next idle report shows the pools back
+        super().reset()
+
+    def held_tokens(self) -> int:
+        """Tokens the tree holds (ids and host rows)."""
+        return int((self.host_rows_of >= 0).sum()) if self.host_rows_of is not None else 0
+
+    def evictable_size(self) -> int:
+        """What evicting every unlocked leaf would add to the allocator's room (SGLang adds this to
+        ``available_size()``): ids and host rows come back, device rows do not."""
+        evictable = self.evictable_size_
+        if not evictable:
+            return 0
+        return max(0, self.token_to_kv_pool_allocator.room.available_with_freed(evictable)
+                   - self.token_to_kv_pool_allocator.available_size())
