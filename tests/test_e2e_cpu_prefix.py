@@ -9,15 +9,15 @@ HiSparse with the radix cache on.
 * ``/flush_cache``: afterwards the idle report shows nothing cached and every pool at its initial
   count.
 
-Ours runs twice: with the default configuration (``{}``, residency on) and with hot buffers only
-(``residency: false``, B below the contexts: matched prefixes loaded into device rows, then decoded
-from a hot buffer that misses). All servers run the deterministic configuration of test_e2e_cpu.py
+Ours runs with the default configuration (``{}``, residency on), with hot buffers only on a small
+pool (``residency: false``, B below the contexts: matched prefixes loaded into device rows, then
+decoded from a hot buffer that misses; cached prefixes evicted to make room; aborts), and in the
+full tier with hot buffers on the large pool. All servers run the deterministic configuration of test_e2e_cpu.py
 (no overlap schedule, one prefill batch per step), so ours and the baseline run identical batches.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import urllib.request
 
@@ -34,14 +34,34 @@ COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunk
 NEW_TOKENS = 24
 
 
+PRESSURE_TOTAL = 4096  # device rows; 8192 logical ids and host rows: three cached groups do not fit beside the running ones
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("e2e_cpu_prefix")
-    specs = [dict(name=name, hisparse_config=config, extra_args=COMMON, max_total_tokens=32768, radix_cache=True,
-                  log_dir=logs)
-             for name, config in (("baseline_radix", None), ("ours_radix_default", "{}"), ("ours_radix_hot", HOT_BUFFERS))]
-    started = start_all(*specs)
-    yield dict(zip(("base", "default", "hot"), started))
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e_cpu_prefix")
+
+
+def prefix_spec(name: str, config, logs, max_total_tokens: int = 32768) -> dict:
+    return dict(name=name, hisparse_config=config, extra_args=COMMON, max_total_tokens=max_total_tokens,
+                radix_cache=True, log_dir=logs)
+
+
+@pytest.fixture(scope="module")
+def servers(logs):
+    """Side by side: the baseline (radix cache, no HiSparse), ours with the default configuration,
+    ours with hot buffers on a small pool (the pressure test)."""
+    started = start_all(prefix_spec("baseline_radix", None, logs), prefix_spec("ours_radix_default", "{}", logs),
+                        prefix_spec("ours_radix_pressure", HOT_BUFFERS, logs, PRESSURE_TOTAL))
+    yield dict(zip(("base", "default", "pressure"), started))
+    stop_soon(started)
+
+
+@pytest.fixture(scope="module")
+def hot(servers, logs):
+    """Ours with hot buffers only on the large pool (full tier)."""
+    started = start_all(prefix_spec("ours_radix_hot", HOT_BUFFERS, logs))
+    yield started[0]
     stop_soon(started)
 
 
@@ -95,9 +115,16 @@ def assert_same(ours: list, base: list) -> None:
     assert all(len(set(o)) > NEW_TOKENS // 4 for o in outputs), "degenerate outputs prove nothing"
 
 
-@pytest.mark.parametrize("which", ["default", "hot"])
-def test_multi_turn_and_shared_prefix_reuse_the_cache_and_match_the_baseline(servers, which):
-    base, ours = servers["base"], servers[which]
+def test_multi_turn_and_shared_prefix_reuse_the_cache_and_match_the_baseline(servers):
+    check_multi_turn_and_shared_prefix(servers["base"], servers["default"])
+
+
+@pytest.mark.full
+def test_with_hot_buffers_only_the_same_holds(servers, hot):
+    check_multi_turn_and_shared_prefix(servers["base"], hot)
+
+
+def check_multi_turn_and_shared_prefix(base, ours) -> None:
     base_turns, base_shared = multi_turn(base, 1), shared_prefix(base, 2)
     before = settle(ours)
     ours_turns, ours_shared = multi_turn(ours, 1), shared_prefix(ours, 2)
@@ -110,8 +137,94 @@ def test_multi_turn_and_shared_prefix_reuse_the_cache_and_match_the_baseline(ser
 
     before = settle(ours)
     flush(ours)
-    flush(base)  # the next parametrization starts from empty caches on both
+    flush(base)  # the next test starts from empty caches on both
     report = wait_for_idle_report(ours, after=before)  # the flush counts as activity: one report follows
+    assert report["cached"] == 0 and not report["leak"], report
+    for name, (now, initial) in report["counts"].items():
+        assert now == initial, (name, now, initial)
+
+
+# --- pressure: the cache must give way ---------------------------------------------------------
+def groups(seed: int) -> list[list[list[int]]]:
+    """Three system prefixes of 1500 tokens, four users each."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(3):
+        system = [rng.randrange(2, 2000) for _ in range(1500)]
+        out.append([system + [rng.randrange(2, 2000) for _ in range(n)] for n in (90, 160, 40, 210)])
+    return out
+
+
+def serve_groups(server, seed: int) -> list[list[int]]:
+    """Each group: its first request alone, then the other three in one batch; twice over, so the
+    second round finds what the first left (or what eviction left of it)."""
+    outputs = []
+    for _ in range(2):
+        for group in groups(seed):
+            outputs += [o for o, _ in run(server, group[:1])]
+            outputs += [o for o, _ in run(server, group[1:])]
+    return outputs
+
+
+def abort_two_sharing_a_prefix(server, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Send ``prompts`` at once with their own rids, abort the first and the third once a new decode
+    step ran, wait for all; returns the finish types of the aborted ones and whether the others
+    returned."""
+    import threading
+    import time
+    import uuid
+
+    rids = [f"prefix-abort-{i}-{uuid.uuid4().hex[:8]}" for i in range(len(prompts))]
+    results: dict = {}
+
+    def send(rid, ids):
+        try:
+            results[rid] = server.generate(ids, new_tokens, rid=rid, timeout=900)
+        except Exception as e:  # noqa: BLE001 - an aborted request may end with an error status
+            results[rid] = e
+
+    decode_lines = server.log().count("Decode batch")
+    threads = [threading.Thread(target=send, args=(rid, p)) for rid, p in zip(rids, prompts)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 300
+    while server.log().count("Decode batch") <= decode_lines and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    for rid in (rids[0], rids[2]):
+        server.abort(rid)
+    for t in threads:
+        t.join(timeout=900)
+    return {"aborted": [results[r]["meta_info"]["finish_reason"]["type"] for r in (rids[0], rids[2])
+                        if isinstance(results.get(r), dict)],
+            "finished": [isinstance(results.get(r), dict) for r in rids if r not in (rids[0], rids[2])]}
+
+
+def test_under_pressure_the_cache_evicts_outputs_stay_identical_and_aborts_leave_pools_consistent(servers):
+    """A small pool (4096 device rows): three groups sharing 1500-token prefixes, served twice, do
+    not all stay cached; the cache evicts (its ids and host rows), outputs stay identical to the
+    baseline's; aborting two of four requests that share a cached prefix mid-decode, and then a
+    flush, leave every pool at its initial count."""
+    base, ours = servers["base"], servers["pressure"]
+    flush(base)
+    expected = serve_groups(base, 3)
+    before = settle(ours)
+    got = serve_groups(ours, 3)
+    first_diffs = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(expected, got)]
+    assert got == expected, f"first differing token per request: {first_diffs}"
+    report = wait_for_idle_report(ours, after=before)
+    assert not report["leak"], report
+    assert report["evicted"] > 0 and report["loaded"] > 0, report  # the cache gave way, and still served hits
+
+    before = settle(ours)
+    outcome = abort_two_sharing_a_prefix(ours, groups(3)[0], 200)
+    assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
+    report = wait_for_idle_report(ours, after=before)
+    assert not report["leak"], report
+
+    before = settle(ours)
+    flush(ours)
+    report = wait_for_idle_report(ours, after=before)
     assert report["cached"] == 0 and not report["leak"], report
     for name, (now, initial) in report["counts"].items():
         assert now == initial, (name, now, initial)

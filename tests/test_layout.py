@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUNTIME = [ROOT / "sglang_hisparse", ROOT / "patches"]
 # A wing may import its own floor and the floors below it, never one above.
-FLOORS = {"ground": 0, "cpu": 1, "resolver": 1, "memory": 2, "decode": 3, "serving": 4, "tools": 4, "patches": 4}
+FLOORS = {"ground": 0, "cpu": 1, "resolver": 1, "memory": 2, "decode": 3, "prefix": 3, "serving": 4, "tools": 4, "patches": 4}
 NOT_RUNTIME = ("sglang_hisparse_testkit", "sglang_hisparse_analysis")
 MAX_CLASS_LINES = 200
 MAX_FUNCTION_LINES = 60

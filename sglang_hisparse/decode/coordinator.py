@@ -234,8 +234,7 @@ class HiSparseCoordinator:
         self.request_finished(req)
 
     def attach_prefix_cache(self, cache: Any) -> None:
-        """The radix cache is on: finishing requests hand their host rows to ``cache`` (a
-        ``HostPrefixCache``), which loads matched prefixes through this coordinator's pools."""
+        """Radix cache on: finishing requests hand their host rows to ``cache`` (HostPrefixCache)."""
         self._requests.prefix_cache = cache
         self.stats.prefix_cache = cache
         cache.attach(self)

@@ -250,19 +250,9 @@ class HostMirror:
         self.mirrored_len[req_pool_idx] = 0
 
     def hand_over(self, req_pool_idx: int) -> tuple[torch.Tensor, int]:
-        """A finishing request's host rows leave its slot without being freed (the prefix cache
-        takes them): ``(rows, complete)``, its rows in position order (CPU int64) and how many
-        leading positions hold its KV. Its table row and record are cleared."""
-        rows = self.pool.rows_of(req_pool_idx)
-        complete = int(self.mirrored_len[req_pool_idx])
-        self.pool.release_request_rows(self.row_table, self.rows_allocated, req_pool_idx)
-        self.mirrored_len[req_pool_idx] = 0
-        return rows, complete
-
-    def free_rows(self, rows: torch.Tensor) -> None:
-        """Return host rows that were handed over (:meth:`hand_over`) to the free list."""
-        if rows.numel():
-            self.pool.free(rows)
+        """A finishing request's host rows, unfreed, and how many leading positions hold its KV."""
+        complete, self.mirrored_len[req_pool_idx] = int(self.mirrored_len[req_pool_idx]), 0
+        return self.pool.release_request_rows(self.row_table, self.rows_allocated, req_pool_idx), complete
 
     def drain(self) -> None:
         """Block until every submitted copy finished."""

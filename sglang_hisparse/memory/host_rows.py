@@ -86,25 +86,22 @@ class RequestRowRecord:
     def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
         """Return every host row of a request to the free list and clear its table row (to -1) and
         allocated end. Returns the rows freed (0 for a slot with none). Reads only the record."""
+        rows = self.release_request_rows(table, lengths, req_pool_idx)
+        return self.free(rows) if rows.numel() else 0
+
+    def release_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> torch.Tensor:
+        """Clear a request's record, table row (to -1) and allocated end without freeing its rows;
+        returns them (CPU int64, position order) to whoever frees them (the prefix cache takes a
+        finished request's: ``HostMirror.hand_over``)."""
         allocated = int(lengths[req_pool_idx])
         chunks = self._rows_of.pop(req_pool_idx, [])
         if allocated == 0:
-            return 0
+            return torch.empty(0, dtype=torch.int64)
         rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         assert rows.numel() == allocated, f"host rows kept for slot {req_pool_idx}: {rows.numel()} != {allocated}"
-        freed = self.free(rows)
         table[req_pool_idx, :allocated] = -1
         lengths[req_pool_idx] = 0
-        return freed
-
-    def release_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> None:
-        """Clear a request's record, table row (to -1) and allocated end without freeing its rows
-        (their new owner frees them: the prefix cache, ``HostMirror.hand_over``)."""
-        allocated = int(lengths[req_pool_idx])
-        self._rows_of.pop(req_pool_idx, None)
-        if allocated:
-            table[req_pool_idx, :allocated] = -1
-            lengths[req_pool_idx] = 0
+        return rows
 
     def rows_of(self, req_pool_idx: int) -> torch.Tensor:
         """The host rows of a request slot in position order (CPU int64; empty for none): its

@@ -240,8 +240,8 @@ class Residency(ResidentSlots):
     def release(self, idx: int) -> None:
         """A finishing resident request leaves: its flag and length are cleared; its rows stay
         mapped at its ids and its pages stay marked until SGLang's free of those ids, which always
-        follows (the radix cache is off), releases the rows and clears the marks with the ids
-        (``HiSparseAllocator.free``). No tensor op on the device but the flag's write, no sync.
+        follows, releases the rows and clears the marks with the ids (``HiSparseAllocator.free``; with
+        the radix cache on, the prefix cache's adoption: ``release_device_rows``). No tensor op on the device but the flag's write, no sync.
         Idempotent for a slot that is not resident."""
         if idx in self._members:
             self._drop(idx)

@@ -38,14 +38,39 @@ calls); a DSA model; no speculation, PD or DeepSeek-V4 (refused at start-up by s
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 logger = logging.getLogger(__name__)
+
+
+class PendingLoads:
+    """Loads not yet in a prefill, by request: SGLang may load a request's prefix
+    (``init_load_back``) and then not schedule it this round (its chunk budget ran out). Such a load's
+    ids are freed when the request is loaded again or found gone (aborted while waiting). Owns the
+    table; the ids go back through ``free`` (the allocator's)."""
+
+    def __init__(self, free: Any):
+        self._free = free
+        self._loads: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def add(self, req: Any, ids: torch.Tensor) -> None:
+        self._loads[id(req)] = (weakref.ref(req), ids)
+
+    def consumed(self, req: Any) -> None:
+        """The request's loaded ids are in its prefill (``req_to_token``): they are freed with it."""
+        self._loads.pop(id(req), None)
+
+    def free_stale(self, req: Any) -> None:
+        """Free this request's earlier load and those of requests that no longer exist."""
+        stale = [key for key, (ref, _) in self._loads.items() if ref() is None or ref() is req]
+        for key in stale:
+            self._free(self._loads.pop(key)[1])
 
 
 @dataclass
@@ -67,9 +92,12 @@ class HostPrefixCache(RadixCache):
         self.host_rows_of = torch.full((allocator.size_full + 1,), -1, dtype=torch.int64)
         """Host row of each tree-owned logical id (-1: none). CPU."""
         self._handed: dict[int, HandedOver] = {}
+        self._pending = PendingLoads(self.token_to_kv_pool_allocator.free)
         self.coordinator: Any = None
         self.loaded_tokens = 0
         """Tokens served from the tree since start (loaded, not prefilled)."""
+        self.evicted_tokens = 0
+        """Tokens evicted since start (their ids and host rows freed)."""
 
     def attach(self, coordinator: Any) -> None:
         """The coordinator whose host mirror, device pool and allocator serve the loads."""
@@ -89,24 +117,37 @@ class HostPrefixCache(RadixCache):
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
         """Give the request ``host_hit_length`` ids of its own holding the matched prefix: device
-        rows for them (the allocator's ``alloc``), the tree ids' indexer-key pages copied into theirs,
+        rows for them (the allocator's ``alloc``; cached prefixes other than this one are evicted
+        first when ids or host rows are short), the tree ids' indexer-key pages copied into theirs,
         the KV loaded from the tree's host rows, on the current stream (ordered after the copies that
         wrote those rows: the coordinator orders the stream after them when it hands rows over).
-        Returns ``(ids, node)``; ``(empty, root)`` when no rows are free (the request prefills all)."""
-        node, hit = params.best_match_node, params.host_hit_length
-        tree_ids = self._path_ids(node)[:hit]
-        ids = self.token_to_kv_pool_allocator.alloc(hit) if hit else None
+        Returns ``(ids, node)``; ``(empty, root)`` when no device rows can be found (the request
+        prefills everything; logged)."""
+        node, hit, req = params.best_match_node, params.host_hit_length, params.req
+        self._pending.free_stale(req)
+        allocator = self.token_to_kv_pool_allocator
+        self.inc_lock_ref(node)  # SGLang locks it only once the request is admitted
+        try:
+            short = hit - allocator.decode_available_size()  # ids and host rows: what eviction gives back
+            if short > 0:
+                self.evict(EvictParams(num_tokens=short))
+            ids = allocator.alloc(hit) if hit else None
+        finally:
+            self.dec_lock_ref(node)
         if ids is None:
-            logger.info("sglang-hisparse: prefix of %d tokens not loaded (no device rows free); prefilled instead", hit)
+            logger.info("sglang-hisparse: prefix of %d tokens not loaded (no device rows free: %s); prefilled instead",
+                        hit, allocator.debug_print())
             return self._empty_match_result.device_indices, self.root_node
+        tree_ids = self._path_ids(node)[:hit]
         host_rows = self.host_rows_of[tree_ids.cpu()]
         if bool((host_rows < 0).any()):
             raise AssertionError("sglang-hisparse: a cached prefix token has no host row")
         coordinator = self.coordinator
         coordinator.device_pool.copy_index_key_pages(tree_ids, ids)
-        coordinator.mirror.pool.load_rows(coordinator.device_pool, host_rows,
-                                          self.token_to_kv_pool_allocator.device_rows_of(ids))
+        coordinator.mirror.pool.load_rows(coordinator.device_pool, host_rows, allocator.device_rows_of(ids))
         self.loaded_tokens += hit
+        if req is not None:
+            self._pending.add(req, ids)
         return ids.to(torch.int64), node
 
     def _path_ids(self, node: Any) -> torch.Tensor:
@@ -132,6 +173,7 @@ class HostPrefixCache(RadixCache):
         """Insert the request's page-aligned committed tokens whose KV reached host rows; adopt the
         ids and rows of the part the tree lacked, free the rest (module docstring); unlock."""
         allocator = self.token_to_kv_pool_allocator
+        self._pending.consumed(req)
         handed = self._handed.pop(req.req_pool_idx, None)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
@@ -152,13 +194,14 @@ class HostPrefixCache(RadixCache):
                 self.host_rows_of[adopted.cpu()] = handed.rows[adopted_from:insert_len]
         allocator.free(torch.cat([ids[:adopted_from], ids[insert_len:]]))
         if handed is not None:
-            self.coordinator.mirror.free_rows(torch.cat([handed.rows[:adopted_from], handed.rows[insert_len:]]))
+            self.coordinator.mirror.pool.free(torch.cat([handed.rows[:adopted_from], handed.rows[insert_len:]]))
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         """A running request's prefix is not shared: its ids stay its own (SGLang's chunk-cache
         behaviour: the next chunk continues from them)."""
+        self._pending.consumed(req)
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
         req.prefix_indices = ids.to(dtype=torch.int64, copy=True)
 
@@ -169,7 +212,8 @@ class HostPrefixCache(RadixCache):
         ids = node.value.to(torch.int64).cpu()
         rows = self.host_rows_of[ids]
         self.host_rows_of[ids] = -1
-        self.coordinator.mirror.free_rows(rows[rows >= 0])
+        self.evicted_tokens += ids.numel()
+        self.coordinator.mirror.pool.free(rows[rows >= 0])
         super()._delete_leaf(node)
 
     def reset(self) -> None:
@@ -178,7 +222,7 @@ class HostPrefixCache(RadixCache):
         if self.host_rows_of is not None:
             held = self.host_rows_of[self.host_rows_of >= 0]
             if held.numel():
-                self.coordinator.mirror.free_rows(held)
+                self.coordinator.mirror.pool.free(held)
             self.host_rows_of.fill_(-1)
             if self.coordinator is not None:
                 self.coordinator.stats.note_activity()  # the next idle report shows the pools back

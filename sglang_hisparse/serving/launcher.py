@@ -83,15 +83,15 @@ class Server:
         """Every ``sglang-hisparse idle`` line of the log, parsed."""
         reports = []
         for m in IDLE_LINE.finditer(self.log()):
-            counts, cached = {}, 0
+            counts, prefix = {}, {"cached": 0, "loaded": 0, "evicted": 0}
             for part in m.group(1).split():
                 name, value = part.split("=")
-                if name == "cached":  # tokens the prefix cache holds (radix cache on)
-                    cached = int(value)
+                if name in prefix:  # the prefix cache's tokens held, loaded, evicted (radix cache on)
+                    prefix[name] = int(value)
                     continue
                 now, initial = value.split("/")
                 counts[name] = (int(now), int(initial))
-            reports.append({"counts": counts, "cached": cached, "leak": m.group(2) == "yes",
+            reports.append({"counts": counts, **prefix, "leak": m.group(2) == "yes",
                             "selected": int(m.group(3)), "misses": int(m.group(4)),
                             "steps": int(m.group(5) or 0), "host_us_per_step": float(m.group(6) or 0.0),
                             "resident": int(m.group(7) or 0), "admitted_resident": int(m.group(8) or 0),
