@@ -1,8 +1,10 @@
 """The GPU-machine helper scripts that run here too: packing a call's outputs under the device
 tool's 8-file limit (scripts/gpu/pack_outputs.py), the end-to-end script's configuration syntax
 (scripts/gpu/e2e.py), decode throughput from server logs (scripts/gpu/decode_log.py), the
-per-step breakdown of a decode profile (scripts/gpu/profile_summary.py) and the DeepSeek-V4 probe
-(scripts/gpu/v4_probe.py: its options, abort selection, streamed batches and comparisons)."""
+per-step breakdown of a decode profile (scripts/gpu/profile_summary.py), the DeepSeek-V4 probe
+(scripts/gpu/v4_probe.py: its options, abort selection, streamed batches and comparisons) and the
+prefix-reuse driver (scripts/gpu/prefix_bench.py: options, workloads, TTFT and tok/s arithmetic,
+exactness, summary, and the whole driver against stand-in servers)."""
 
 from __future__ import annotations
 
@@ -748,3 +750,325 @@ def test_v4_probe_main_records_the_concurrent_plan_when_no_server_starts(tmp_pat
     assert report["concurrent"]["lengths"] == [8, 16, 24] and report["compare_concurrent"]["baseline"] is None
     assert json.loads(report["impls"]["ours@2048"]["hisparse_config"])["wait_for_staging"] is True
     assert "--cuda-graph-bs" in report["server_flags"] and "--disable-overlap-schedule" in report["server_flags"]
+
+
+# --- prefix_bench: the prefix-reuse driver (issue 43), without servers ------------------------------
+def test_prefix_bench_arguments_flags_and_launch(monkeypatch):
+    import prefix_bench as pb
+
+    args = pb.parse_args([])
+    assert args.server_list == ["ours_radix", "none_radix", "ours", "upstream"] and args.workload_list == ["mt", "sp"]
+    assert (args.conversations, args.turns, args.max_context, args.new_tokens) == (16, 4, 16384, 64)
+    assert pb.graph_size(args) == 16 and args.out.endswith("prefix.json")
+    flags = pb.server_flags(args)
+    assert flags[flags.index("--cuda-graph-bs") + 1] == "16" and "--disable-overlap-schedule" not in flags
+    assert flags[len(flags) - 1 - flags[::-1].index("--mem-fraction-static") + 1] == "0.85"  # the last one wins
+    assert flags[flags.index("--max-running-requests") + 1] == "17"
+    assert pb.hisparse_config("none", args) is None
+    assert "wait_for_staging" not in json.loads(pb.hisparse_config("ours", args))
+    strict = pb.parse_args(["--strict", "--graph-bs", "24", "--servers", "ours_radix,upstream", "--workloads", "sp"])
+    assert "--disable-overlap-schedule" in pb.server_flags(strict) and pb.graph_size(strict) == 24
+    assert json.loads(pb.hisparse_config("ours", strict))["wait_for_staging"] is True
+    assert "wait_for_staging" not in json.loads(pb.hisparse_config("upstream", strict))
+    launched = {}
+
+    def fake_start_server(**kw):
+        launched[kw["name"]] = kw
+        return object()
+
+    monkeypatch.setattr(pb, "start_server", fake_start_server)
+    for name in pb.SERVERS:
+        live = pb.launch(name, args)
+        assert (live.impl, live.radix) == pb.SERVERS[name]
+    assert launched["prefix_ours_radix"]["radix_cache"] is True and launched["prefix_none_radix"]["radix_cache"] is True
+    assert launched["prefix_ours"]["radix_cache"] is False and launched["prefix_upstream"]["radix_cache"] is False
+    assert launched["prefix_upstream"]["env"]["SGLANG_PLUGINS"] == "hisparse_dummy_init"
+    assert "SGLANG_PLUGINS" not in launched["prefix_ours_radix"]["env"]
+    assert all(kw["env"]["SGLANG_HISPARSE_DUMMY_LOCALITY"] == "realistic" for kw in launched.values())
+    assert launched["prefix_none_radix"]["hisparse_config"] is None and launched["prefix_ours"]["cpu"] is False
+    for bad in (["--servers", "ours,mine"], ["--servers", "ours,ours"], ["--workloads", "mt,chat"],
+                ["--turns", "10", "--max-context", "600", "--new-tokens", "64"],
+                ["--shared-prefix", "65536"], ["--max-context", "70000"], ["--mem-fraction", "1.5"],
+                ["--conversations", "0"], ["--together", "-1"]):
+        with pytest.raises(SystemExit):
+            pb.parse_args(bad)
+    with pytest.raises(ValueError, match="realistic"):
+        pb.parse_args(["--locality", "strong"])
+    run_sh = (Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "run.sh").read_text()
+    assert "#   job = prefix  -> python scripts/gpu/prefix_bench.py" in run_sh
+    assert 'prefix) python3 scripts/gpu/prefix_bench.py "$@"' in run_sh
+
+
+def test_prefix_bench_workloads_grow_histories_and_share_one_prefix():
+    import prefix_bench as pb
+
+    conversations, turns, max_context, new = 3, 5, 4000, 40
+    messages = pb.turn_messages(conversations, turns, max_context, new, seed=1)
+    assert messages == pb.turn_messages(conversations, turns, max_context, new, seed=1)  # seeded
+    assert len(messages) == conversations and all(len(conv) == turns for conv in messages)
+    base = max_context // turns - new
+    assert all(base - base // 8 <= len(m) <= base for conv in messages for m in conv)
+    assert len({tuple(conv[0]) for conv in messages}) == conversations
+    for conv in messages:
+        history, previous = [], []
+        for t, message in enumerate(conv):
+            prompt = pb.next_prompt(history, message)
+            assert prompt[:len(previous)] == previous  # each turn extends the last turn's prompt and reply
+            reply = list(range(100 + t, 100 + t + new))
+            history, previous = prompt + reply, prompt + reply
+        assert max_context * 7 // 8 - turns <= len(history) <= max_context  # grew to about L
+    prompts = pb.shared_prefix_prompts(6, 500, 40, seed=2)
+    assert prompts == pb.shared_prefix_prompts(6, 500, 40, seed=2) and len(prompts) == 6
+    assert all(p[:500] == prompts[0][:500] for p in prompts)
+    suffixes = [p[500:] for p in prompts]
+    assert all(20 <= len(x) <= 40 for x in suffixes) and len({tuple(x) for x in suffixes}) == 6
+    assert pb.digest([1, 2]) == pb.digest([1, 2]) != pb.digest([2, 1]) and pb.digest(None) is None
+
+
+def _chunk_at(index, ids, cached=None, finish=None, rid=None):
+    meta = {"id": rid or f"r{index}", "completion_tokens": len(ids), "finish_reason": finish}
+    if cached is not None:
+        meta.update(prompt_tokens=1000, cached_tokens=cached)
+    chunk = {"output_ids": ids, "meta_info": meta}
+    if index is not None:
+        chunk["index"] = index
+    return chunk
+
+
+def test_prefix_bench_ttft_and_tok_s_from_streamed_chunks():
+    import prefix_bench as pb
+
+    length = {"type": "length", "length": 3}
+    events = [(10.5, _chunk_at(1, [7], cached=960)), (10.8, _chunk_at(0, [5], cached=0)),
+              (10.9, _chunk_at(0, [5, 6])), (11.0, _chunk_at(1, [7, 8])),
+              (11.3, _chunk_at(0, [5, 6, 9], finish=length)), (11.5, _chunk_at(1, [7, 8, 4], finish=length)),
+              (11.6, {"error": {"message": "late"}})]
+    rows = pb.request_metrics(10.0, events, ["a", "b"], ["r0", "r1"])
+    a, b = rows
+    assert a["name"] == "a" and a["output_ids"] == [5, 6, 9] and b["output_ids"] == [7, 8, 4]
+    assert a["ttft_s"] == pytest.approx(0.8) and b["ttft_s"] == pytest.approx(0.5)
+    assert a["last_token_s"] == pytest.approx(1.3) and a["decode_tok_s"] == pytest.approx(2 / 0.5)
+    assert b["decode_tok_s"] == pytest.approx(2 / 1.0)
+    assert (a["cached_tokens"], b["cached_tokens"], b["prompt_tokens"]) == (0, 960, 1000)
+    assert a["finish_reason"] == length and a["output_tokens"] == 3
+    # delta chunks, one request without an index (found by its rid), a chunk without a new token
+    delta = [(1.2, {"output_ids": [], "meta_info": {"id": "x-1", "completion_tokens": 0}}),
+             (1.4, {"output_ids": [3], "meta_info": {"id": "x-1", "completion_tokens": 1, "cached_tokens": 64,
+                                                     "prompt_tokens": 100}}),
+             (1.6, {"output_ids": [4], "meta_info": {"id": "x-1", "completion_tokens": 2}})]
+    (only,) = pb.request_metrics(1.0, delta, ["solo"], ["x-1"])
+    assert only["output_ids"] == [3, 4] and only["ttft_s"] == pytest.approx(0.4) and only["cached_tokens"] == 64
+    assert only["decode_tok_s"] == pytest.approx(1 / 0.2)
+    (none,) = pb.request_metrics(1.0, [], ["lost"], ["x-2"])
+    assert none["ttft_s"] is None and none["decode_tok_s"] is None and none["output_tokens"] == 0
+    row = {"calls": [{"wall_s": 2.0}, {"wall_s": 3.0}],
+           "requests": [dict(r, prompt_len=1000, round=k, later=k > 0) for k, r in enumerate([a, b])]}
+    s = pb.summarize(row)
+    assert s["output_tok_s"] == pytest.approx(6 / 5.0) and s["ttft_median_s"] == pytest.approx(0.65)
+    assert s["ttft_median_first_s"] == pytest.approx(0.8) and s["ttft_median_later_s"] == pytest.approx(0.5)
+    assert s["ttft_median_by_round_s"] == [pytest.approx(0.8), pytest.approx(0.5)]
+    assert s["cached_tokens"] == 960 and s["cached_share"] == pytest.approx(0.48)
+    assert s["ttft_max_s"] == pytest.approx(0.8)
+
+
+def _request(name, out, prompt="p", cached=0):
+    return {"name": name, "output_ids": out, "prompt_digest": prompt, "cached_tokens": cached}
+
+
+def test_prefix_bench_exactness_compares_only_like_for_like_requests():
+    import prefix_bench as pb
+
+    base = [_request("a", [1, 2, 3]), _request("b", [1, 2, 3], cached=64), _request("c", [4, 5, 6]),
+            _request("d", [1]), _request("e", [1], prompt="q"), _request("f", [9, 9], cached=128)]
+    test = [_request("a", [1, 2, 3]), _request("b", [1, 2, 3], cached=64), _request("c", [4, 7, 6]),
+            _request("e", [1], prompt="other"), _request("f", [9, 9], cached=64)]
+    out = pb.compare(base, test)
+    assert (out["compared"], out["identical"], out["first_diff"]) == (3, 2, {"c": 1})
+    assert out["excluded"]["d"] == "missing" and "prompt differs" in out["excluded"]["e"]
+    assert out["excluded"]["f"] == "cached_tokens 64 vs 128"
+    assert pb.first_diff([1, 2], [1, 2, 3]) == 2 and pb.first_diff([1], [1]) is None
+
+
+def test_prefix_bench_summary_pools_and_grouping():
+    import prefix_bench as pb
+
+    anchor = {"ttft_median_s": 0.5, "ttft_median_later_s": 0.1, "output_tok_s": 400.0}
+    assert pb.ratios(anchor, {"ttft_median_s": 2.0, "ttft_median_later_s": 2.5, "output_tok_s": 100.0}) == \
+        {"ttft_speedup": 4.0, "ttft_later_speedup": 25.0, "tok_s_ratio": 4.0}
+    odd = pb.ratios(anchor, {"ttft_median_s": 2.2, "ttft_median_later_s": None, "output_tok_s": 0.0})
+    assert odd["ttft_later_speedup"] is None and odd["tok_s_ratio"] is None
+
+    def row(ttfts_by_round, wall_by_round, tokens=4):
+        return {"requests": [{"name": f"r{k}-{i}", "round": k, "later": k > 0, "ttft_s": x, "output_tokens": tokens,
+                              "prompt_len": 100, "cached_tokens": 0, "decode_tok_s": None}
+                             for k, xs in enumerate(ttfts_by_round) for i, x in enumerate(xs)],
+                "calls": [{"round": k, "wall_s": w} for k, w in enumerate(wall_by_round)]}
+
+    # the other server ran two of three rounds (budget): both are compared on those two
+    rows = {"ours_radix": row([[1.0, 1.0], [0.2, 0.2], [0.3, 0.3]], [2.0, 1.0, 1.0]),
+            "ours": row([[1.0, 1.0], [2.0, 2.0]], [2.0, 3.0])}
+    paired = pb.summary_ratios(rows)["ours"]
+    assert paired["requests"] == 4 and paired["ttft_later_speedup"] == pytest.approx(10.0)
+    assert paired["tok_s_ratio"] == pytest.approx((16 / 3.0) / (16 / 5.0))
+    assert paired["ttft_speedup"] == pytest.approx(1.5 / 0.6)
+    assert pb.summary_ratios({"ours": rows["ours"]}) == {}
+    counts = {"logical_free": (100, 100), "host_free": (50, 50)}
+    assert pb.pools_back({"leak": False, "cached": 0, "counts": counts}) is True
+    assert pb.pools_back({"leak": False, "cached": 64, "counts": counts}) is False
+    assert pb.pools_back({"leak": False, "cached": 0, "counts": {"host_free": (49, 50)}}) is False
+    assert pb.pools_back({"leak": True, "cached": 0, "counts": counts}) is False and pb.pools_back(None) is None
+    assert pb.how_many_fit(110_000, 31_000) == 3 and pb.how_many_fit(50_000, 31_000) == 1
+    assert pb.how_many_fit(20_000, 31_000) == 0 and pb.how_many_fit(None, 31_000) == 1
+    log = "\n".join([_prefill(900), _decode(2, 1.0), _decode(2, 200.0), _decode(2, 200.0), _prefill(100)])
+    stats = pb.log_stats(log)
+    assert stats["prefilled_tokens"] == 1000 and stats["decode_trace"] == "2x3" and stats["decode_steps"] == 2
+    assert pb.log_stats(_prefill(5)) == {"prefilled_tokens": 5, "decode_trace": ""}
+
+
+class _FakePrefixServer:
+    """A stand-in for one SGLang server with what prefix_bench uses: /generate (batched; streamed or
+    not; greedy outputs a function of the prompt; a radix cache of finished sequences, 16-token
+    pages, reported as ``cached_tokens``; prefill time proportional to the uncached tokens),
+    /flush_cache, /server_info, and a log file with batch lines and, for ours, the idle line."""
+
+    PAGE = 16
+
+    def __init__(self, log_path: Path, impl: str, radix: bool):
+        import http.server
+
+        self.log_path, self.impl, self.radix, self.cache = log_path, impl, radix, []
+        self.lines = ["server up"]
+        self.write_log()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path.startswith("/flush_cache"):
+                    fake.cache.clear()
+                    fake.idle()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream" if body.get("stream") else "application/json")
+                self.end_headers()
+                fake.generate(self.wfile, body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def write_log(self):
+        self.log_path.write_text("\n".join(self.lines) + "\n")
+
+    def idle(self):
+        if self.impl == "ours":
+            cached = sum(len(s) for s in self.cache)
+            self.lines.append(f"sglang-hisparse idle: logical_free={1000 - cached}/1000 host_free={1000 - cached}/1000 "
+                              f"cached={cached} loaded=0 evicted=0 leak=no selected=10 misses=2")
+        self.write_log()
+
+    def cached_len(self, prompt):
+        best = 0
+        for seq in self.cache if self.radix else []:
+            n = next((i for i, (x, y) in enumerate(zip(seq, prompt)) if x != y), min(len(seq), len(prompt)))
+            best = max(best, n)
+        return min(best, len(prompt) - 1) // self.PAGE * self.PAGE
+
+    def generate(self, wfile, body):
+        prompts, stream = body["input_ids"], body.get("stream")
+        params = body["sampling_params"]
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        cached = [self.cached_len(p) for p in prompts]
+        outs = [[(sum(p) + 7 * k) % 997 + 2 for k in range(params[i]["max_new_tokens"])] for i, p in enumerate(prompts)]
+        time.sleep(2e-5 * sum(len(p) - c for p, c in zip(prompts, cached)))
+        self.lines.append(_prefill(sum(len(p) - c for p, c in zip(prompts, cached))))
+        for k in range(max(len(o) for o in outs)):
+            time.sleep(0.001)
+            self.lines.append(_decode(len(prompts), 1000.0))
+            for i, out in enumerate(outs):
+                if stream:
+                    meta = {"id": body["rid"][i], "prompt_tokens": len(prompts[i]), "cached_tokens": cached[i],
+                            "completion_tokens": k + 1,
+                            "finish_reason": {"type": "length"} if k + 1 == len(out) else None}
+                    wfile.write(b"data: " + json.dumps({"index": i, "output_ids": out[:k + 1], "meta_info": meta})
+                                .encode() + b"\n\n")
+        if stream:
+            wfile.write(b"data: [DONE]\n\n")
+        else:
+            wfile.write(json.dumps([{"output_ids": o, "meta_info": {"cached_tokens": c}} for o, c in zip(outs, cached)])
+                        .encode())
+        if self.radix:
+            self.cache += [p + o for p, o in zip(prompts, outs)]
+        self.idle()
+
+
+def test_prefix_bench_main_against_stand_in_servers(tmp_path, monkeypatch, capsys):
+    """The whole driver against stand-in servers: two groups (the free memory holds three), every
+    workload on every server, exactness of ours_radix against none_radix, pools back after the flush,
+    prefix.json and the markdown summary."""
+    import itertools
+
+    import prefix_bench as pb
+    from sglang_hisparse.serving.launcher import Server
+
+    class Exited:
+        pid = 0
+
+        def poll(self):
+            return 0
+
+    fakes = []
+
+    def launch(name, args):
+        impl, radix = pb.SERVERS[name]
+        fake = _FakePrefixServer(tmp_path / f"{name}.log", impl, radix)
+        fakes.append(fake)
+        return pb.Live(name, impl, radix, Server(port=fake.port, process=Exited(), log_path=fake.log_path))
+
+    free = itertools.cycle([100_000, 70_000, 10_000])  # per group: before and after the first start, then a log line
+    monkeypatch.setattr(pb, "launch", launch)
+    monkeypatch.setattr(pb, "gpu_free_mib", lambda: next(free))
+    monkeypatch.setattr(pb, "machine", lambda: {"nvidia_smi": "Fake GPU, 1 MiB", "cpus": 2, "ram_gib": 8})
+    monkeypatch.setattr(pb, "START_STAGGER_S", 0.0)
+    out = tmp_path / "prefix.json"
+    argv = ["--conversations", "3", "--turns", "3", "--max-context", "900", "--new-tokens", "8",
+            "--shared-requests", "4", "--shared-prefix", "400", "--suffix-tokens", "24", "--out", str(out)]
+    try:
+        assert pb.main(argv) == 0
+    finally:
+        for fake in fakes:
+            fake.httpd.shutdown()
+    result = json.loads(out.read_text())
+    assert result["command"] == "bash scripts/gpu/run.sh prefix " + " ".join(argv)
+    assert result["machine"].startswith("Fake GPU") and result["skipped"] == []
+    assert [result["servers"][n]["group"] for n in pb.SERVERS] == [0, 0, 0, 1] and result["groups"] == 2
+    rows = {(r["server"], r["workload"]): r for r in result["rows"]}
+    assert len(rows) == 8 and all("output_ids" not in q for r in result["rows"] for q in r["requests"])
+    radix, plain = rows[("ours_radix", "mt")], rows[("ours", "mt")]
+    assert radix["summary"]["requests"] == 9 and len(radix["calls"]) == 3
+    assert all(q["cached_tokens"] > 0 for q in radix["requests"] if q["round"] > 0)
+    assert all(q["cached_tokens"] == 0 for q in plain["requests"])
+    lengths = {q["name"]: q["prompt_len"] for q in radix["requests"]}
+    assert lengths["mt-c00-t0"] < lengths["mt-c00-t1"] < lengths["mt-c00-t2"] <= 900 - 8
+    assert rows[("ours_radix", "sp")]["requests"][1]["cached_tokens"] == 400  # the system prefix, 25 pages
+    assert radix["log"]["prefilled_tokens"] < plain["log"]["prefilled_tokens"]
+    assert radix["pools"]["pools_back"] is True and radix["pools"]["idle"]["cached"] > 0
+    assert radix["pools"]["after_flush"]["cached"] == 0 and plain["pools"]["pools_back"] is True
+    assert rows[("none_radix", "mt")]["pools"] == {"flushed": True}
+    exact = {x["workload"]: x for x in result["exactness"]}
+    assert exact["mt"]["compared"] == exact["mt"]["identical"] == 9 and exact["mt"]["excluded"] == {}
+    assert exact["sp"]["compared"] == exact["sp"]["identical"] == 4
+    assert exact["mt"]["decode_trace"] == exact["mt"]["baseline_decode_trace"] == "3x24"
+    summary = result["summary"]["mt"]
+    assert set(summary) == {"none_radix", "ours", "upstream"}
+    assert summary["ours"]["ttft_later_speedup"] > 1.5  # the stand-in prefills only what is not cached
+    printed = capsys.readouterr().out
+    assert "### multi-turn" in printed and "| ours_radix | 9 |" in printed and "ours_radix vs ours (9 requests)" in printed
+    assert "exactness ours_radix vs none_radix: 9 / 9 identical" in printed

@@ -32,6 +32,10 @@
 #   job = v4probe -> python scripts/gpu/v4_probe.py [args...]   (SGLang's DeepSeek-V4 on tiny-dsv4: no
 #                    HiSparse vs SGLang's own, token by token, $OUT/v4probe.json; carry .site/v4.tar.xz,
 #                    docs/deepseek_v4/gpu-probe.md)
+#   job = prefix  -> python scripts/gpu/prefix_bench.py [args...]   (prefix reuse, issue 43: ours with the radix
+#                    cache against ours without it, SGLang's HiSparse and no HiSparse with it; multi-turn and
+#                    shared-prefix workloads, TTFT, tok/s, exactness, pools; $OUT/prefix.json;
+#                    docs/prefix_reuse/README.md)
 # Writes under $OUT: the job's files, run.log, logs.tar.xz (other logs, e2e server logs) and jit.tar.xz
 # (the JIT caches; per-cache jit-<cache>.tar.xz when one archive would exceed 15.5 MB): at most 8
 # files, the device tool's limit (scripts/gpu/pack_outputs.py).
@@ -132,6 +136,7 @@ run_job() {
     demo) python3 -m sglang_hisparse.tools.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     probe) run_probe "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     v4probe) python3 scripts/gpu/v4_probe.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    prefix) python3 scripts/gpu/prefix_bench.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac
   local job_rc=${PIPESTATUS[0]}
