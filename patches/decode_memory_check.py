@@ -12,9 +12,9 @@ host rows (``decode_available_size()``) against SGLang's count of the step's new
 device rows against what the coordinator says the step lacks after demoting resident requests
 (``HiSparseCoordinator.device_rows_short``). With the radix cache on, cached prefixes are evicted
 first when ids or host rows are short (they hold both, no device rows). So SGLang retracts exactly
-when the device rows the step needs cannot be found, as it does without HiSparse when its pool is full. A DeepSeek-V4 batch
-(our ``C4Allocator``) runs SGLang's check of its token ids, then the C4 rows the step's new entries
-need (``C4Coordinator.device_rows_short``). Any other batch runs SGLang's original check unchanged.
+when the device rows the step needs cannot be found, as it does without HiSparse when its pool is
+full. A DeepSeek-V4 batch (our ``C4Allocator``) runs SGLang's check of its token ids, then the C4
+rows the step's new entries need (``C4Coordinator.device_rows_short``). Any other batch runs SGLang's original check unchanged.
 """
 
 from __future__ import annotations
