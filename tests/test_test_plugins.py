@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from sglang_hisparse_testkit import batch_invariant, fault
@@ -65,13 +67,17 @@ def test_the_upstream_trap_fires_and_our_classes_do_not_trip_it(run_fresh_python
 
 
 def test_the_batch_invariant_plugin_makes_every_row_independent_of_its_batch(monkeypatch):
-    """With oneDNN (the default) some bf16 projections give a row other bits at other batch
-    sizes; with the plugin asked, none does, at any row of any batch up to 40."""
+    """Asked, the plugin turns oneDNN off, and then no bf16 projection gives a row other bits at
+    another batch size, at any row of any batch up to 40; unasked, it changes nothing.
+
+    Whether oneDNN itself is batch-variant depends on the CPU and on the process: it was on every
+    machine tried when run alone (long reductions, k >= 2048, always; the tiny model's own shapes on
+    some), but a CI run of the whole suite once found it invariant on every shape at this point.
+    The plugin's guarantee (invariance with it on) is asserted either way; where oneDNN does vary,
+    the test also asserts that the plugin is what removes the variance."""
     import torch
 
-    # which shapes oneDNN splits differently by batch depends on the CPU: long reductions (k >= 2048)
-    # were variant on every machine tried, the tiny model's own shapes only on some
-    shapes = [(256, 1024), (256, 2048), (256, 160), (128, 384), (512, 256), (2048, 256), (7168, 128)]
+    shapes = [(256, 1024), (256, 2048), (256, 160), (128, 384), (512, 256), (2048, 256), (7168, 128), (4096, 2048)]
 
     def variant_shapes() -> list:
         gen = torch.Generator().manual_seed(0)
@@ -88,11 +94,14 @@ def test_the_batch_invariant_plugin_makes_every_row_independent_of_its_batch(mon
     monkeypatch.delenv(batch_invariant.ENV, raising=False)
     batch_invariant.register()
     assert torch.backends.mkldnn.enabled, "unasked, the plugin changed nothing"
-    assert variant_shapes(), "oneDNN was batch-invariant on every shape: the plugin would prove nothing here"
+    with_onednn = variant_shapes()
     monkeypatch.setenv(batch_invariant.ENV, "yes")
     with pytest.raises(ValueError, match="allowed values are 1, 0 or unset"):
         batch_invariant.register()
     monkeypatch.setenv(batch_invariant.ENV, "1")
     batch_invariant.register()
     assert not torch.backends.mkldnn.enabled
-    assert variant_shapes() == []
+    assert variant_shapes() == [], f"batch-variant with the plugin on (oneDNN alone: {with_onednn})"
+    if not with_onednn:
+        warnings.warn("oneDNN was batch-invariant on every shape in this process: only the plugin's guarantee "
+                      "was checked, not that it is what removes a variance")
