@@ -19,7 +19,6 @@ spends its time on what the tests check.
 from __future__ import annotations
 
 import threading
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
@@ -39,15 +38,9 @@ def start(**kwargs: Any) -> Server:
 
 
 def settle(server: Server) -> int:
-    """Wait until every busy -> idle transition so far is in the log; the number of idle reports.
-
-    Two ``/server_info`` round trips: the scheduler answers each (``GetInternalStateReq``) in its
-    loop, and between answering the first and receiving the second it passes through ``on_idle``
-    (the idle report hook) with nothing running, so a report due since any earlier request is
-    logged before the second answer arrives."""
-    for _ in range(2):
-        with urllib.request.urlopen(f"{server.url}/server_info", timeout=120) as response:
-            response.read()
+    """Wait until every busy -> idle transition so far is in the log (:meth:`Server.settle`); the
+    number of idle reports."""
+    server.settle()
     return len(server.idle_reports())
 
 

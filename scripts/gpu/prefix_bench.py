@@ -99,7 +99,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (flags, ENV, hisparse_config, prompts, VOCAB, LOG_DIR)
-import v4_probe  # noqa: E402  (sse_payloads, BatchTracker, batch_body, request_ids, settle, device_info)
+import v4_probe  # noqa: E402  (sse_payloads, BatchTracker, batch_body, request_ids, device_info)
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
 from sglang_hisparse.serving.launcher import Server, start_server, wait_for_idle_report  # noqa: E402
@@ -380,9 +380,9 @@ def idle_report(server: Server, after: int, timeout: float = 60) -> dict | None:
 
 
 def settled_reports(server: Server) -> int:
-    """v4_probe.settle (two /server_info round trips: every idle line due is logged), then the
+    """``Server.settle`` (two /server_info round trips: every idle line due is logged), then the
     number of idle reports."""
-    v4_probe.settle(server)
+    server.settle(timeout=60)
     return len(server.idle_reports())
 
 
@@ -500,7 +500,7 @@ def run_group(servers: list[Live], args: argparse.Namespace, clock: Clock, resul
             if row is None:
                 continue
             try:
-                v4_probe.settle(live.server)  # the last step's batch line is in the log
+                live.server.settle(timeout=60)  # the last step's batch line is in the log
                 row["log"] = log_stats(live.server.log()[offsets[live.name]:])
                 row["pools"] = pools_after_workload(live)
             except Exception as e:  # noqa: BLE001 - recorded, the others go on

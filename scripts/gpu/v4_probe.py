@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sglang_hisparse.serving.launcher import MODELS_DIR, start_server  # noqa: E402
+from sglang_hisparse.serving.launcher import MODELS_DIR, parse_idle_reports, start_server  # noqa: E402
 
 import e2e  # noqa: E402  (the graph-mode syntax and output digests of the DSA exactness runs)
 from decode_log import Batch, decode_trace, parse_batches  # noqa: E402
@@ -103,7 +103,6 @@ are 12000 (3000 entries), 2500 (625) and 8200 (2050: two beyond B = 2048)."""
 ABORT_BUDGET_FACTOR = 4
 """An aborted request may generate up to this many times --new-tokens (within the context), so that
 it is still decoding when its abort lands."""
-V4_IDLE_LINE = re.compile(r"sglang-hisparse idle \(DeepSeek-V4 C4\): (.*?) leak=(yes|no) selected=(\d+) misses=(\d+)")
 RETRACT_LINE = re.compile(r"Retract requests\. #retracted_reqs: (\d+)")
 ENV = {
     # the tiny model is unquantized: the fp8 wo_a GEMM asserts an fp8 quantization_config
@@ -451,18 +450,9 @@ def compare_concurrent(results: dict) -> dict:
 
 
 def idle_reports(log: str) -> list[dict]:
-    """Ours' DeepSeek-V4 idle lines, parsed: counts ``name -> (now, initial)``, leak, selected, misses."""
-    reports = []
-    for m in V4_IDLE_LINE.finditer(log):
-        counts = {}
-        for part in m.group(1).split():
-            name, _, value = part.partition("=")
-            now, _, initial = value.partition("/")
-            if now.isdigit() and initial.isdigit():
-                counts[name] = (int(now), int(initial))
-        reports.append({"counts": counts, "leak": m.group(2) == "yes", "selected": int(m.group(3)),
-                        "misses": int(m.group(4))})
-    return reports
+    """Ours' DeepSeek-V4 idle lines, parsed (the launcher's parser: counts ``name -> (now, initial)``,
+    leak, selected, misses)."""
+    return parse_idle_reports(log, layout="c4")
 
 
 def pools_back(report: dict | None) -> bool | None:
@@ -580,7 +570,7 @@ def run_concurrent(server, impl: str, args: argparse.Namespace, plan: dict, inpu
     tracker = BatchTracker(rids, plan["abort_indices"], plan["abort_after"])
     if parse_impl(impl)[0] == "ours":
         try:
-            settle(server)  # the idle line of the requests before this phase is in the log
+            server.settle(timeout=60)  # the idle line of the requests before this phase is in the log
         except Exception:  # noqa: BLE001 - not needed for the phase itself
             pass
     log0 = server.log()
@@ -627,21 +617,12 @@ def run_concurrent(server, impl: str, args: argparse.Namespace, plan: dict, inpu
     return out
 
 
-def settle(server) -> None:
-    """Two ``/server_info`` round trips: the scheduler answers each in its loop and passes through
-    its idle hook (where ours logs the idle line) between them, so a busy -> idle transition that
-    happened before the first is in the log after the second (tests/serving.py)."""
-    for _ in range(2):
-        with urllib.request.urlopen(f"{server.url}/server_info", timeout=60) as response:
-            response.read()
-
-
 def wait_for_idle(server, before: int, timeout: float) -> dict | None:
     """Ours' last idle report once there are more than ``before`` (None after ``timeout``): after the
     phase's requests returned and the server settled, that is the phase's busy -> idle line."""
     t_end = time.time() + timeout
     try:
-        settle(server)
+        server.settle(timeout=60)
     except Exception:  # noqa: BLE001 - then poll for the line
         pass
     while True:

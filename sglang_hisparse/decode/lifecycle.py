@@ -170,16 +170,18 @@ class RequestLifecycle:
             self._leave_staging(req)
             return
         self.quiesce()  # the overlapped forward may still read its rows
-        holds_rows = self.hot.holds(idx) or (self.residency is not None and self.residency.holds(idx))
-        if self.prefix_cache is not None and holds_rows:
+        resident = self.residency is not None and self.residency.holds(idx)
+        in_hot_buffer = self.hot.holds(idx)
+        to_cache = self.prefix_cache is not None and (resident or in_hot_buffer)
+        if to_cache:
             self.mirror.write_through([idx], [req.kv_committed_len + 1], self.rows_now)
         self.mirror.order_after_writes()  # copies still reading its rows, or writing its host rows
-        if self.residency is not None and self.residency.holds(idx):
+        if resident:
             self.residency.release(idx)
-        elif self.hot.holds(idx):
+        elif in_hot_buffer:
             self.allocator.unmap_logical(self.logical_ids(req, req.kv.kv_allocated_len))
         self.hot.close(idx)
-        if self.prefix_cache is not None and holds_rows:
+        if to_cache:
             self.prefix_cache.hand_over(idx, *self.mirror.hand_over(idx))
         else:
             self.mirror.forget(idx)

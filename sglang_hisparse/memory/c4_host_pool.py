@@ -165,21 +165,30 @@ class C4HostPool(RequestRowRecord):
 
     def _copy(self, device_pool: Any, direction: str, layers: range, src_rows: torch.Tensor,
               dst_rows: torch.Tensor) -> None:
+        """Copy ``src_rows`` to ``dst_rows`` of ``layers`` in ``direction`` ("to_host" or
+        "to_device"). On CUDA through the transfer kernels built once per (device pool, direction,
+        layers) and kept (a per-step write-back looks them up by key, nothing rebuilt); on CPU
+        through their torch twin."""
         if src_rows.numel() == 0:
             return
+        first = device_pool.kv_buffer[layers.start]
+        if first.is_cuda:
+            key = (first.data_ptr(), direction, layers.start, len(layers))
+            copies = self._kernel_copies.get(key)
+            if copies is None:
+                copies = self._kernel_copies[key] = _KernelCopies(*self._layer_lists(device_pool, direction, layers),
+                                                                  first.device)
+            copies(src_rows, dst_rows)
+            return
+        src_layers, dst_layers = self._layer_lists(device_pool, direction, layers)
+        for item_bytes, to_items in C4_ITEM_PARTS:
+            copy_items(src_layers, dst_layers, to_items(src_rows), to_items(dst_rows), item_bytes)
+
+    def _layer_lists(self, device_pool: Any, direction: str, layers: range) -> tuple[list, list]:
+        """The per-layer page buffers of ``layers``, (sources, destinations) for ``direction``."""
         device_layers = [device_pool.kv_buffer[layer] for layer in layers]
         host_layers = [self.kv_buffer[layer] for layer in layers]
-        src_layers, dst_layers = ((device_layers, host_layers) if direction == "to_host"
-                                  else (host_layers, device_layers))
-        if not device_layers[0].is_cuda:
-            for item_bytes, to_items in C4_ITEM_PARTS:
-                copy_items(src_layers, dst_layers, to_items(src_rows), to_items(dst_rows), item_bytes)
-            return
-        key = (device_layers[0].data_ptr(), direction, layers.start, len(layers))
-        copies = self._kernel_copies.get(key)
-        if copies is None:
-            copies = self._kernel_copies[key] = _KernelCopies(src_layers, dst_layers, device_layers[0].device)
-        copies(src_rows, dst_rows)
+        return (device_layers, host_layers) if direction == "to_host" else (host_layers, device_layers)
 
     # --- PD -----------------------------------------------------------------------------------
     def get_contiguous_buf_infos(self) -> tuple[list[int], list[int], list[int]]:

@@ -124,6 +124,8 @@ class HostPrefixCache(RadixCache):
         Returns ``(ids, node)``; ``(empty, root)`` when no device rows can be found (the request
         prefills everything; logged)."""
         node, hit, req = params.best_match_node, params.host_hit_length, params.req
+        if hit <= 0:  # SGLang calls only with a host hit; nothing to load otherwise
+            return self._empty_match_result.device_indices, self.root_node
         self._pending.free_stale(req)
         allocator = self.token_to_kv_pool_allocator
         self.inc_lock_ref(node)  # SGLang locks it only once the request is admitted
@@ -131,7 +133,7 @@ class HostPrefixCache(RadixCache):
             short = hit - allocator.decode_available_size()  # ids and host rows: what eviction gives back
             if short > 0:
                 self.evict(EvictParams(num_tokens=short))
-            ids = allocator.alloc(hit) if hit else None
+            ids = allocator.alloc(hit)
         finally:
             self.dec_lock_ref(node)
         if ids is None:

@@ -28,9 +28,42 @@ from typing import Any, Optional
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODELS_DIR = PACKAGE_DIR / "models"
 CPU_STAND_IN = PACKAGE_DIR / "cpu" / "stand_in"
-IDLE_LINE = re.compile(r"sglang-hisparse idle: (.*) leak=(yes|no) selected=(\d+) misses=(\d+)"
-                       r"(?:.*? steps=(\d+) host_us_per_step=([\d.]+))?"
-                       r"(?:.*? resident=(\d+) admitted_resident=(\d+) demotions=(\d+))?")
+IDLE_LINE = re.compile(r"sglang-hisparse idle(?P<c4> \(DeepSeek-V4 C4\))?: (?P<pools>.*) leak=(?P<leak>yes|no) "
+                       r"selected=(?P<selected>\d+) misses=(?P<misses>\d+)"
+                       r"(?:.*? steps=(?P<steps>\d+) host_us_per_step=(?P<host_us>[\d.]+))?"
+                       r"(?:.*? resident=(?P<resident>\d+) admitted_resident=(?P<admitted>\d+) "
+                       r"demotions=(?P<demotions>\d+))?")
+"""Our idle report, DSA (``sglang-hisparse idle: ...``, stats.py) or DeepSeek-V4 C4
+(``sglang-hisparse idle (DeepSeek-V4 C4): ...``, decode/c4_coordinator.py)."""
+PREFIX_COUNTS = ("cached", "loaded", "evicted")
+"""The prefix cache's tokens held, loaded, evicted (radix cache on): plain counts, not ``now/initial``."""
+
+
+def parse_idle_reports(log: str, layout: str = "dsa") -> list[dict]:
+    """Every idle report of ``layout`` ("dsa" or "c4") in ``log``, in order: ``counts`` (pool name
+    -> (free now, free at start)), ``leak``, ``selected``, ``misses``, the prefix counts and, where
+    the line has them, ``steps``, ``host_us_per_step``, ``resident``, ``admitted_resident``,
+    ``demotions`` (0 where absent). ValueError for another layout."""
+    if layout not in ("dsa", "c4"):
+        raise ValueError(f"layout={layout!r}: allowed values are 'dsa', 'c4'")
+    reports = []
+    for m in IDLE_LINE.finditer(log):
+        if (m.group("c4") is not None) != (layout == "c4"):
+            continue
+        counts, prefix = {}, dict.fromkeys(PREFIX_COUNTS, 0)
+        for part in m.group("pools").split():
+            name, value = part.split("=")
+            if name in prefix:
+                prefix[name] = int(value)
+                continue
+            now, initial = value.split("/")
+            counts[name] = (int(now), int(initial))
+        number = lambda name, kind=int: kind(m.group(name) or 0)  # noqa: E731
+        reports.append({"counts": counts, **prefix, "leak": m.group("leak") == "yes",
+                        "selected": number("selected"), "misses": number("misses"), "steps": number("steps"),
+                        "host_us_per_step": number("host_us", float), "resident": number("resident"),
+                        "admitted_resident": number("admitted"), "demotions": number("demotions")})
+    return reports
 
 
 def free_port() -> int:
@@ -79,24 +112,20 @@ class Server:
     def abort(self, rid: str) -> None:
         post_json(f"{self.url}/abort_request", {"rid": rid}, 30)
 
-    def idle_reports(self) -> list[dict]:
-        """Every ``sglang-hisparse idle`` line of the log, parsed."""
-        reports = []
-        for m in IDLE_LINE.finditer(self.log()):
-            counts, prefix = {}, {"cached": 0, "loaded": 0, "evicted": 0}
-            for part in m.group(1).split():
-                name, value = part.split("=")
-                if name in prefix:  # the prefix cache's tokens held, loaded, evicted (radix cache on)
-                    prefix[name] = int(value)
-                    continue
-                now, initial = value.split("/")
-                counts[name] = (int(now), int(initial))
-            reports.append({"counts": counts, **prefix, "leak": m.group(2) == "yes",
-                            "selected": int(m.group(3)), "misses": int(m.group(4)),
-                            "steps": int(m.group(5) or 0), "host_us_per_step": float(m.group(6) or 0.0),
-                            "resident": int(m.group(7) or 0), "admitted_resident": int(m.group(8) or 0),
-                            "demotions": int(m.group(9) or 0)})
-        return reports
+    def idle_reports(self, layout: str = "dsa") -> list[dict]:
+        """Every idle report of ``layout`` in the log, parsed (:func:`parse_idle_reports`)."""
+        return parse_idle_reports(self.log(), layout)
+
+    def settle(self, timeout: float = 120) -> None:
+        """Return once every busy -> idle transition so far is in the log.
+
+        Two ``/server_info`` round trips: the scheduler answers each (``GetInternalStateReq``) in
+        its loop, and between answering the first and receiving the second it passes through
+        ``on_idle`` (our idle report hook) with nothing running, so a report due since any earlier
+        request is logged before the second answer arrives."""
+        for _ in range(2):
+            with urllib.request.urlopen(f"{self.url}/server_info", timeout=timeout) as response:
+                response.read()
 
     def stop(self, grace: float = 20.0) -> None:
         """Stop the server and every process it spawned (by process group)."""
