@@ -18,6 +18,7 @@ import logging
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
@@ -151,47 +152,49 @@ class ResidentDecode:
         if self._steps % self.flush_every:
             return
         resident = self.residency.mask(idxs)
-        if bool(resident.any()):
-            self.mirror.write_through_deferred(idxs[resident], lens[resident], self._own_rows)
+        if resident.any():
+            self.mirror.write_through_deferred(idxs.numpy()[resident], lens.numpy()[resident], self._own_rows)
 
     def _own_rows(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.residency.own_rows(self.req_to_token, req_pool_idx, positions)
 
     def newest_rows(self, idxs: torch.Tensor, lens: torch.Tensor, req_pool_indices: torch.Tensor,
-                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: torch.Tensor) -> torch.Tensor:
+                    seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, resident: np.ndarray) -> torch.Tensor:
         """Rows (int64, on the device) for each request's newest position ``seq_len - 1``.
 
-        ``idxs``, ``lens`` and ``resident`` (:meth:`Residency.mask`) are the step's CPU tensors;
+        ``idxs``, ``lens`` are the step's int64 CPU tensors, ``resident`` its :meth:`Residency.mask`;
         ``out_cache_loc`` the new tokens' logical ids. A step takes free rows only where a newest
         position starts a page, so only then does it demote (policy) until the new rows leave the
         watermark free, and then until they fit at all (requests whose demotion removes a page
-        need, :meth:`Residency.short_of_a_page`); the masks are recomputed after a demotion. A
+        need, :meth:`Residency.short_of_a_page`); the mask is recomputed after a demotion. A
         resident request's row is its page's first row plus the offset (logical ids, like rows, run
         on within a page; ``allocator.resident_rows_of``) or, starting a page, a new page's first
-        row (the page is then marked resident); a hot buffer's is its slot's. Host work: a few
-        tensor ops for the whole batch and Python only for requests starting a page."""
-        page_start = (lens - 1) % self.hot.page_size == 0
-        if bool(page_start.any()):
-            at = page_start.nonzero().view(-1)
-            if self._relieve(list(zip(idxs[at].tolist(), lens[at].tolist()))):
-                resident = self.residency.mask(idxs)
+        row (the page is then marked resident); a hot buffer's is its slot's. Host work: numpy
+        operations on the batch, Python only for requests starting a page, and a few device ops."""
+        idx_np, len_np = idxs.numpy(), lens.numpy()
+        page_start = (len_np - 1) % self.hot.page_size == 0
+        if page_start.any():
+            at = np.flatnonzero(page_start)
+            if self._relieve(list(zip(idx_np[at].tolist(), len_np[at].tolist()))):
+                resident = self.residency.mask(idx_np)
         self._last_batch = idxs
         count = int(resident.sum())
         if not count:
-            return self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
-        if count < idxs.numel():
-            self.hot.grow(idxs[~resident], lens[~resident])
-        at = resident.nonzero().view(-1) if count < idxs.numel() else None
-        if at is None:
-            new_page, pages = self.residency.grow(idxs, lens, page_start)
+            return self.hot.newest_rows(idx_np, len_np, req_pool_indices, seq_lens)
+        mixed = count < idx_np.size
+        if mixed:
+            self.hot.grow(idx_np[~resident], len_np[~resident])
+            at = np.flatnonzero(resident)
+            new_page, pages = self.residency.grow(idx_np[at], len_np[at], page_start[at])
+            new_page = at[new_page]
         else:
-            new_page, pages = self.residency.grow(idxs[at], lens[at], page_start[at])
+            new_page, pages = self.residency.grow(idx_np, len_np, page_start)
         own = self.allocator.resident_rows_of(out_cache_loc)  # page starts: replaced below
         if pages is not None:
-            where = (new_page if at is None else at[new_page]).to(own.device, non_blocking=True)
+            where = torch.from_numpy(new_page).to(own.device, non_blocking=True)
             own[where] = pages.to(own.device) * self.hot.page_size
             self.allocator.mark_resident_pages(out_cache_loc[where], True)
-        if at is None:
+        if not mixed:
             return own
         rows = self.hot.rows_of_positions(req_pool_indices, seq_lens - 1)
         return torch.where(self.residency.flags[req_pool_indices].bool(), own, rows)

@@ -56,12 +56,14 @@ class DecodeSteps:
             driver.flush_deferred(idxs, lens)
             if driver.resident_step(idxs.tolist(), lens.tolist(), idxs, lens):
                 return
-        self.mirror.write_through_step(idxs, lens, self.rows_now, buffer_size=self.hot.buffer_size)
         if driver is None:
             rows = self.hot.newest_rows(idxs, lens, req_pool_indices, seq_lens)
         else:
             rows = driver.newest_rows(idxs, lens, req_pool_indices, seq_lens, out_cache_loc,
                                       driver.residency.mask(idxs))
+        # after the newest rows (growth and demotions change no pending position's row): a long
+        # hot buffer's previous token sits in the newest slot, whose row the step's token takes
+        self.mirror.write_through_step(idxs, lens, self.rows_now, buffer_size=self.hot.buffer_size, newest_rows=rows)
         self.allocator.map_logical(out_cache_loc, rows)
 
     def map_verify_step(self, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],

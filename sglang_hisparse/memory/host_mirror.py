@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Deque, Optional, Sequence
 
+import numpy as np
 import torch
 
 from sglang_hisparse.memory.host_pool import HiSparseHostPool
@@ -42,6 +43,8 @@ from sglang_hisparse.memory.staging import Staged, StagingQueue
 from sglang_hisparse.memory.write_through import (
     WriteThroughLane,
     due_again_at,
+    due_requests,
+    in_newest_slots,
     overwrites_newest_slot,
     pending_positions,
 )
@@ -84,6 +87,8 @@ class HostMirror:
         self.flush_at = torch.zeros(max_reqs, dtype=torch.int64)
         """int64 [max_reqs] (CPU): the position count (``seq_len - 1``) at which each decoding
         request's pending positions are next due (:meth:`write_through_step`)."""
+        self._mirrored, self._flush_at = self.mirrored_len.numpy(), self.flush_at.numpy()
+        """numpy views of the two (same memory): ~1 us per numpy operation, several per torch op."""
         self.producer_stream: Optional[Any] = None
         """The overlap scheduler's forward stream (set by the coordinator): write-through copies
         run after it."""
@@ -152,20 +157,16 @@ class HostMirror:
         next forward after the copy (:meth:`order_forward_after_write_through`): before a demotion
         or a retraction, and each verify step. ``device_rows_of(req_pool_idx, position)`` (int64
         device tensors) gives the device row holding each position now."""
-        idx = torch.as_tensor(req_pool_idxs, dtype=torch.int64)
-        end = torch.as_tensor(seq_lens, dtype=torch.int64) - 1
+        idx = np.asarray(req_pool_idxs, dtype=np.int64)
+        end = np.asarray(seq_lens, dtype=np.int64) - 1
         self._copy(idx, end, device_rows_of, urgent=True)
-        self.flush_at[idx] = end + 1
+        self._flush_at[idx] = end + 1
 
-    def write_through_deferred(
-        self,
-        req_pool_idxs: torch.Tensor,
-        seq_lens: torch.Tensor,
-        device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
+    def write_through_deferred(self, req_pool_idxs: torch.Tensor, seq_lens: torch.Tensor,
+                               device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Copy the pending positions of these deferred requests (:meth:`defer`; int64 CPU
         tensors) in one copy that no forward waits for: their rows stay put. They stay deferred."""
-        self._copy(req_pool_idxs, seq_lens - 1, device_rows_of, urgent=False)
+        self._copy(np.asarray(req_pool_idxs), np.asarray(seq_lens) - 1, device_rows_of, urgent=False)
 
     def write_through_step(
         self,
@@ -174,45 +175,45 @@ class HostMirror:
         device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
         buffer_size: int,
+        newest_rows: Optional[torch.Tensor] = None,
     ) -> None:
         """The write-through of a one-token decode step at ``seq_lens`` (int64 CPU tensors).
 
-        A request is *due* when its pending positions must be copied at this step: its previous
-        token sits in a hot buffer's newest slot, which this step's token takes (every step of a
-        long hot buffer), or a page of them is pending in a hot buffer still on the fast path (its
-        previous token in slot ``L - 2 < buffer_size``, which stays put). Deferred (resident)
-        requests are never due. Due requests are tracked in ``flush_at`` (the position count at
-        which each is next due), so a step where none is due costs three tensor ops. The forward
-        is ordered after the copy only when it includes a newest slot.
+        A request is *due* (:func:`due_requests`, ``flush_at``) when its previous token sits in a
+        hot buffer's newest slot, which this step's token takes (every step of a long hot buffer),
+        or a page of positions is pending in a hot buffer still on the fast path; deferred
+        (resident) requests never are. The forward is ordered after the copy only when it includes
+        a newest slot. ``newest_rows`` (optional, int64 on the device, batch order), the rows the
+        step's tokens take, are the rows copied when every due request has only its previous token
+        pending, in its newest slot (the steady state): ``device_rows_of`` is then not called.
         Side effects: host rows for the copied positions; at most one copy on the write-through
         lane, after the current and producer streams.
         """
-        end = seq_lens - 1
-        due = end >= self.flush_at[req_pool_idxs]
-        if not bool(due.any()):
+        idx, end, at = due_requests(req_pool_idxs.numpy(), seq_lens.numpy() - 1, self._flush_at)
+        if idx.size == 0:
             return
-        at = due.nonzero().view(-1)
-        idx, end = req_pool_idxs[at], end[at]
+        if newest_rows is not None and in_newest_slots(self._mirrored[idx], end, buffer_size):
+            device_rows_of = _newest_rows_reader(newest_rows, at)
         self._copy(idx, end, device_rows_of, urgent=overwrites_newest_slot(end, buffer_size))
-        self.flush_at[idx] = due_again_at(end, page_size=self.pool.page_size, buffer_size=buffer_size)
+        self._flush_at[idx] = due_again_at(end, page_size=self.pool.page_size, buffer_size=buffer_size)
 
-    def _copy(self, idx: torch.Tensor, end: torch.Tensor, device_rows_of, *, urgent: bool) -> None:
-        """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64 CPU
-        tensors; requests with nothing pending are skipped) and advance ``mirrored_len``."""
-        start = self.mirrored_len[idx]
+    def _copy(self, idx: np.ndarray, end: np.ndarray, device_rows_of, *, urgent: bool) -> None:
+        """Submit the copy of positions ``[mirrored_len, end)`` of each request ``idx`` (int64
+        numpy; those with nothing pending skipped) and advance ``mirrored_len``. ``device_rows_of``
+        gets the positions' slots and positions (device tensors) request by request, in order."""
+        start = self._mirrored[idx]
         pending = end - start
         take = pending > 0
-        if not bool(take.any()):
+        if not take.any():
             return
-        idx, start, end, pending = idx[take], start[take], end[take], pending[take]
+        if not take.all():
+            idx, start, end, pending = idx[take], start[take], end[take], pending[take]
         self.pool.grow_rows(self.row_table, self.rows_allocated, idx, end)
-        self.mirrored_len[idx] = end
+        self._mirrored[idx] = end
         reqs, positions = pending_positions(idx, start, pending)
-        device = self.row_table.device
-        req_t = reqs.to(device, non_blocking=True)
-        pos_t = positions.to(device, non_blocking=True)
-        host_rows = self.row_table[req_t, pos_t]
-        device_rows = device_rows_of(req_t, pos_t)
+        where = torch.from_numpy(np.stack((reqs, positions))).to(self.row_table.device, non_blocking=True)
+        host_rows = self.row_table[where[0], where[1]]
+        device_rows = device_rows_of(where[0], where[1])
         self._writes.submit(
             lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
             after=(self.producer_stream,),
@@ -258,3 +259,12 @@ class HostMirror:
         """Block until every submitted copy finished."""
         self._staging.drain()
         self._writes.drain()
+
+
+def _newest_rows_reader(newest_rows: torch.Tensor, at: Optional[np.ndarray]) -> Callable[..., torch.Tensor]:
+    """A ``device_rows_of`` for a copy of one position per due request, each in its newest slot:
+    the copy's order is the due requests' batch order, so its rows are ``newest_rows`` (every
+    request due, ``at`` None) or ``newest_rows[at]`` (one H2D of ``at``)."""
+    if at is not None:
+        newest_rows = newest_rows[torch.from_numpy(at).to(newest_rows.device, non_blocking=True)]
+    return lambda _reqs, _positions: newest_rows

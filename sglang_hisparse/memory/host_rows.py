@@ -7,6 +7,7 @@ that mixes this in, the position -> host row table to its caller (the host mirro
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -61,24 +62,28 @@ class RequestRowRecord:
         lengths[req_pool_idx] = new_end
         self._rows_of.setdefault(req_pool_idx, []).append(rows)
 
-    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs: torch.Tensor, ends: torch.Tensor) -> None:
-        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 CPU
-        tensors, distinct slots): one allocation, one table write. Same side effects and error."""
+    def grow_rows(self, table: torch.Tensor, lengths: torch.Tensor, idxs, ends) -> None:
+        """:meth:`grow_request_rows` for many requests at once (``idxs``, ``ends``: int64 numpy
+        arrays or CPU tensors, distinct slots): one allocation, one table write; a call that adds
+        no page costs five numpy operations. Same side effects and error."""
         p = self.page_size
-        allocated = lengths[idxs]
-        need = ((ends + p - 1) // p * p - allocated).clamp(min=0)
+        idxs, ends = np.asarray(idxs, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        allocated_of = lengths.numpy()  # a view: written below
+        allocated = allocated_of[idxs]
+        need = np.maximum((ends + p - 1) // p * p - allocated, 0)
         total = int(need.sum())
         if not total:
             return
         rows = self.alloc(total)
         if rows is None:
             raise self._exhausted(total)
-        req = idxs.repeat_interleave(need)
-        first = (need.cumsum(0) - need).repeat_interleave(need)
-        pos = allocated.repeat_interleave(need) + torch.arange(total) - first
-        where = torch.stack([req, pos, rows.to(torch.int64)]).to(table.device, non_blocking=True)
+        rows = rows.to(torch.int64)
+        req = np.repeat(idxs, need)
+        first = np.repeat(np.cumsum(need) - need, need)
+        pos = np.repeat(allocated, need) + np.arange(total) - first
+        where = torch.from_numpy(np.stack((req, pos, rows.numpy()))).to(table.device, non_blocking=True)
         table[where[0], where[1]] = where[2]
-        lengths[idxs] = allocated + need
+        allocated_of[idxs] = allocated + need
         for idx, count, chunk in zip(idxs.tolist(), need.tolist(), rows.split(need.tolist())):
             if count:
                 self._rows_of.setdefault(idx, []).append(chunk)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
@@ -160,12 +161,13 @@ class HotBuffers:
         keep = min(-(-n // self.page_size) * self.page_size, self.padded)
         return self._rows_to_add(keep, self._slots_for_step(seq_len))
 
-    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors): a request whose
+    def grow(self, idxs, seq_lens) -> None:
+        """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors or numpy arrays): a request whose
         newest position ``seq_len - 1 <= B`` has no row yet gets the next page(s) from the free
         rows. That only ever happens where the position starts a page (capacities are whole
         pages), so only those requests are looked at."""
-        at_page_start = ((seq_lens - 1) % self.page_size == 0).nonzero().view(-1)
+        idxs, seq_lens = np.asarray(idxs), np.asarray(seq_lens)
+        at_page_start = np.flatnonzero((seq_lens - 1) % self.page_size == 0)
         for idx, seq_len in zip(idxs[at_page_start].tolist(), seq_lens[at_page_start].tolist()):
             self._grow_to(idx, self._slots_for_step(seq_len))
 

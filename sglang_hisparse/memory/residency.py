@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
@@ -167,22 +168,22 @@ class Residency(ResidentSlots):
         rows (the others may be mapped only by a forward in flight)."""
         return self.allocator.resident_rows_of(req_to_token[req_pool_idx, positions].to(torch.int64))
 
-    def grow(self, idxs: torch.Tensor, seq_lens: torch.Tensor,
-             page_start: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Resident requests ``idxs`` (int64 CPU tensor), each one token longer than before
-        (``seq_lens``, int64 CPU), take rows for their newest position ``seq_len - 1``: the next
+    def grow(self, idxs: np.ndarray, seq_lens: np.ndarray, page_start: Optional[np.ndarray] = None
+             ) -> tuple[np.ndarray, Optional[torch.Tensor]]:
+        """Resident requests ``idxs`` (int64 numpy array), each one token longer than before
+        (``seq_lens``, int64 numpy), take rows for their newest position ``seq_len - 1``: the next
         row of their last page, or a new page of free rows where the position starts one. Returns
-        the indices into ``idxs`` of those that took a page (int64 CPU) and the pages (int64, in
-        that order; None when none did). The caller made sure enough rows are free
-        (:meth:`rows_needed`) and computes the rows themselves on the device. Tensor ops on the
-        whole batch; Python work only for the requests that start a page. ``page_start``: the
+        the indices into ``idxs`` of those that took a page (int64 numpy) and the pages (int64 CPU
+        tensor, in that order; None when none did). The caller made sure enough rows are free
+        (:meth:`rows_needed`) and computes the rows themselves on the device. numpy operations on
+        the whole batch; Python work only for the requests that start a page. ``page_start``: the
         caller's ``(seq_lens - 1) % page == 0`` for these requests, when it has it."""
         p = self.page_size
-        new_page = ((seq_lens - 1) % p == 0 if page_start is None else page_start).nonzero().view(-1)
+        new_page = np.flatnonzero((seq_lens - 1) % p == 0 if page_start is None else page_start)
         pages = None
-        if new_page.numel():
+        if new_page.size:
             pages = self.grow_pages(list(zip(idxs[new_page].tolist(), seq_lens[new_page].tolist())))
-        self.length[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
+        self.length.numpy()[idxs] = seq_lens  # within their last page: the reclaimable total is unchanged
         return new_page, pages
 
     def grow_pages(self, at_page_start: list[tuple[int, int]]) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -56,9 +57,10 @@ class ResidentSlots:
         decode step's hot path, which uses :meth:`mask` and ``length``)."""
         return {idx: int(self.length[idx]) for idx in self._members}
 
-    def mask(self, idxs: torch.Tensor) -> torch.Tensor:
-        """Which of the request slots ``idxs`` (int64 CPU tensor) are resident (bool CPU tensor)."""
-        return self.length[idxs] > 0
+    def mask(self, idxs) -> np.ndarray:
+        """Which of the request slots ``idxs`` (int64 CPU tensor or numpy array) are resident (a
+        bool numpy array: two numpy operations, no torch op)."""
+        return self.length.numpy()[np.asarray(idxs)] > 0
 
     def reclaimable(self) -> dict[int, int]:
         """Per resident request slot, the device rows its demotion would free."""

@@ -9,13 +9,15 @@ Owned state (:class:`WriteThroughLane`, used only through
 ``unordered`` (the last copy of rows the next step overwrites, until the forward is ordered after
 it). Invariant: ``unordered`` is None or no later than ``last`` on the lane; ordering the current
 stream after ``last`` covers ``unordered`` too (lane order), so it clears both.
-The functions only read their int64 CPU tensors and change no state.
+The functions only read their int64 numpy arrays (views of the mirror's CPU tensors) and change no
+state.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from sglang_hisparse.memory.copy_lane import CopyLane, Fence
@@ -60,27 +62,45 @@ class WriteThroughLane:
         self.lane.drain()
 
 
-def pending_positions(idx: torch.Tensor, start: torch.Tensor,
-                      pending: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pending_positions(idx: np.ndarray, start: np.ndarray, pending: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flatten the positions ``start[i] .. start[i] + pending[i] - 1`` of each request slot
     ``idx[i]`` (``pending > 0``), request by request: ``(request slots, positions)``. The common
     step, one pending position each (the previous token), returns its inputs with no work."""
-    if bool((pending == 1).all()):  # each request's previous token
+    if (pending == 1).all():  # each request's previous token
         return idx, start
-    reqs = idx.repeat_interleave(pending)
-    offsets = torch.arange(reqs.numel()) - (pending.cumsum(0) - pending).repeat_interleave(pending)
-    return reqs, start.repeat_interleave(pending) + offsets
+    reqs = np.repeat(idx, pending)
+    offsets = np.arange(reqs.size) - np.repeat(np.cumsum(pending) - pending, pending)
+    return reqs, np.repeat(start, pending) + offsets
 
 
-def overwrites_newest_slot(end: torch.Tensor, buffer_size: int) -> bool:
+def overwrites_newest_slot(end: np.ndarray, buffer_size: int) -> bool:
     """Whether a step's copy, up to position counts ``end`` of the due requests, includes the
     newest slot of some long hot buffer (position ``end - 1 >= buffer_size``): the step's token
     takes that slot, so the forward must be ordered after the copy."""
-    return bool((end - 1 >= buffer_size).any())
+    return bool((end > buffer_size).any())
 
 
-def due_again_at(end: torch.Tensor, *, page_size: int, buffer_size: int) -> torch.Tensor:
+def in_newest_slots(start: np.ndarray, end: np.ndarray, buffer_size: int) -> bool:
+    """Whether every copied range ``[start, end)`` is one position in its request's newest slot
+    (a long hot buffer's previous token): the rows to copy are then the newest slots' rows, the
+    rows the step's token takes."""
+    return bool(((end - start == 1) & (start >= buffer_size)).all())
+
+
+def due_requests(idx: np.ndarray, end: np.ndarray,
+                 flush_at: np.ndarray) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+    """The requests of a step (slots ``idx``, position counts ``end``) whose pending positions are
+    due (``end >= flush_at[idx]``): ``(slots, ends, at)`` with ``at`` their indices in the batch,
+    or None when every request is due (the inputs are then returned as they are)."""
+    due = end >= flush_at[idx]
+    if due.all():
+        return idx, end, None
+    at = np.flatnonzero(due)
+    return idx[at], end[at], at
+
+
+def due_again_at(end: np.ndarray, *, page_size: int, buffer_size: int) -> np.ndarray:
     """The position count at which requests copied up to ``end`` are next due: the next step in a
     long hot buffer (its newest slot is overwritten every step), else a page later or when the
     buffer's newest slot is reached, whichever comes first."""
-    return torch.minimum(end + page_size, torch.clamp(end + 1, min=buffer_size + 1))
+    return np.minimum(end + page_size, np.maximum(end + 1, buffer_size + 1))
