@@ -24,6 +24,9 @@
 #   job = bench   -> python scripts/research/bench_resolve.py --out $OUT [args...]   (the benchmark alone)
 #   job = step-host -> python scripts/research/bench_step_host.py --device cuda --out $OUT/step_host_gpu.json [args...]
 #                    (our host work per decode step on the GPU machine, by part; no server)
+#   job = step-host-tree <dir> [args...] -> <dir>/scripts/research/bench_step_host.py --device cuda [args...]: the
+#                    same bench on another checkout's package (carry it, e.g. .snap/base from `git archive`),
+#                    for old/new pairs in one call; pass --out $OUT/<name>.json
 #   job = demo    -> python -m sglang_hisparse.tools.demo [args...]   (the README's demo; ends "outputs identical")
 #   job = policy  -> python scripts/research/bench_policy_replay.py --device cuda --out $OUT/policy_replay.json [args...]
 #                    (real traces replayed through the kernel; carry the .traces_gpu/ file, pass --traces)
@@ -131,6 +134,8 @@ run_job() {
     pd) python3 scripts/gpu/pd.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     step-host) python3 scripts/research/bench_step_host.py --device cuda --out "$OUT/step_host_gpu.json" "$@" 2>&1 \
                  | tee -a "$OUT/run.log" ;;
+    step-host-tree) local tree=$1; shift  # another checkout's bench and package (e.g. the code before a change)
+                    python3 "$tree/scripts/research/bench_step_host.py" --device cuda "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     policy) python3 scripts/research/bench_policy_replay.py --device cuda --out "$OUT/policy_replay.json" "$@" 2>&1 \
               | tee -a "$OUT/run.log" ;;
     demo) python3 -m sglang_hisparse.tools.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;

@@ -59,16 +59,16 @@ def copy_items(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], s
 
 
 class _KernelCopies:
-    """SGLang's transfer kernels over fixed layer lists (their base addresses as a device int64
-    tensor, built once: the buffers never move)."""
+    """SGLang's transfer kernels over fixed layer lists (their base addresses as a device uint64
+    tensor, the dtype the kernel checks; built once: the buffers never move)."""
 
     def __init__(self, src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], device: torch.device):
         from sgl_kernel.kvcacheio import transfer_kv_all_layer_mla
 
         self._transfer = transfer_kv_all_layer_mla
         self.num_layers = len(src_layers)
-        self.src_ptrs = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.int64, device=device)
-        self.dst_ptrs = torch.tensor([t.data_ptr() for t in dst_layers], dtype=torch.int64, device=device)
+        self.src_ptrs = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.uint64, device=device)
+        self.dst_ptrs = torch.tensor([t.data_ptr() for t in dst_layers], dtype=torch.uint64, device=device)
 
     def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         device = self.src_ptrs.device
