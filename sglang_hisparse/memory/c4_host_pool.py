@@ -58,6 +58,13 @@ def copy_items(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], s
         dst_view[dst_items.to(dst.device)] = src_view[src_items.to(src.device)].to(dst.device)
 
 
+def _device_addresses(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' base addresses as a uint64 tensor on ``device``, copied from pinned memory
+    without the host waiting (a table built during a decode step must not sync it)."""
+    addresses = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.uint64).pin_memory()
+    return addresses.to(device, non_blocking=True)
+
+
 class _KernelCopies:
     """SGLang's transfer kernels over fixed layer lists (their base addresses as a device uint64
     tensor, the dtype the kernel checks; built once: the buffers never move)."""
@@ -67,8 +74,8 @@ class _KernelCopies:
 
         self._transfer = transfer_kv_all_layer_mla
         self.num_layers = len(src_layers)
-        self.src_ptrs = torch.tensor([t.data_ptr() for t in src_layers], dtype=torch.uint64, device=device)
-        self.dst_ptrs = torch.tensor([t.data_ptr() for t in dst_layers], dtype=torch.uint64, device=device)
+        self.src_ptrs = _device_addresses(src_layers, device)
+        self.dst_ptrs = _device_addresses(dst_layers, device)
 
     def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         device = self.src_ptrs.device

@@ -63,9 +63,9 @@ def test_copies_do_not_wait_for_the_device():
     dev = device_pool(2, 8, gen)
     pool = C4HostPool(2, 8 * P, pin_memory=True)
     rows = torch.arange(P, 3 * P, device="cuda")
-    pool.write_back(dev, rows, rows)  # first use builds the layer address tables (a copy to the device)
+    pool.write_back(dev, rows, rows)
     pool.load_rows(dev, rows, rows)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # below: the one-layer copy builds its layer address tables (no wait either)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
