@@ -210,6 +210,23 @@ def test_real_throughput_logs_split_into_every_level():
     assert all(r["decode_steps"] >= 250 and r["decode_tok_s"] > 0 for r in recomputed)
 
 
+def test_v4_concurrent_rows_agree_with_the_probes_own_comparison():
+    """gpu_v4probe6 (the V4 concurrent phase on the H200): the rows collect.py derives from the
+    raw outputs give the first differences the probe recorded itself, aborted requests left out,
+    and ours at B=4096 against ours at B=2048."""
+    import collect
+
+    data = json.loads((collect.RESULTS / "gpu_v4probe6" / "v4probe.json").read_text())
+    rows = {(r["impl"], r["B"]): r for r in collect.v4_concurrent_rows("gpu_v4probe6")}
+    for name, row in (("ours", rows[("ours", 2048)]), ("ours@4096", rows[("ours", 4096)]),
+                      ("upstream", rows[("upstream", 2048)])):
+        recorded = data["compare_concurrent"]["against"][name]
+        assert row["first_diff"] == [r["first_diff"] for r in recorded["per_request"]]
+        assert row["identical"] == recorded["identical_count"] and row["sequences"] == recorded["compared"]
+    assert rows[("ours", 4096)]["identical_to"] == {"impl": "ours", "identical": 9, "sequences": 9}
+    assert rows[("ours", 2048)]["pools_back_to_initial"] and rows[("ours", 2048)]["miss_rate"] > 0.05
+
+
 def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     """scripts/gpu/perf_report.py: the same (model, impl, locality, concurrency) measured in two
     calls becomes one row with both repeats, their median and spread; relabelled calls stay apart;

@@ -268,6 +268,54 @@ def v4_probe_rows(run: str) -> list[dict]:
     return rows
 
 
+V4_CONCURRENT = ["gpu_v4probe6"]
+
+
+def v4_concurrent_rows(run: str) -> list[dict]:
+    """One exactness row per HiSparse implementation of a V4 probe's concurrent phase (requests
+    in one batch, some aborted mid-decode), against its ``none`` server and, for ours at another
+    B, against ours at the first B (``identical_to``): the requests not aborted."""
+    data = json.loads((RESULTS / run / "v4probe.json").read_text())
+    phase, impls = data["concurrent"], data["impls"]
+    aborted = set(phase["abort_indices"])
+
+    def outputs(impl: str) -> list:
+        return [r.get("output_ids") for r in impls[impl]["concurrent"]["requests"]]
+
+    def first_diffs(ids_list: list, ref_list: list) -> list:
+        return [next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b),
+                     None if len(ids) == len(ref) else min(len(ids), len(ref)))
+                for n, (ids, ref) in enumerate(zip(ids_list, ref_list)) if n not in aborted]
+
+    base, rows = outputs("none"), []
+    first_ours = next(impl for impl in impls if impl.startswith("ours"))
+    for impl, info in impls.items():
+        if impl == "none":
+            continue
+        config = json.loads(info["hisparse_config"])
+        conc = info["concurrent"]
+        diffs = first_diffs(outputs(impl), base)
+        row = {"impl": impl.split("@")[0], "model": data["model"].rsplit("/", 1)[-1],
+               "B": config["device_buffer_size"], "top_k": config["top_k"], "cuda_graph": True,
+               "graph_bs": phase["n"], "sequences": len(diffs), "identical": diffs.count(None),
+               "first_diff": diffs, "new_tokens": data["new_tokens"],
+               "workload": (f"{phase['n']} requests in one batch ({min(phase['lengths'])}-{max(phase['lengths'])} "
+                            f"tokens), {len(aborted)} aborted after {phase['abort_after']} tokens, greedy, torch "
+                            "top-k; decode batches not held equal around the aborts"),
+               "decode_trace": conc.get("decode_trace"),
+               "baseline_decode_trace": impls["none"]["concurrent"].get("decode_trace"),
+               "retracted": conc.get("retracted"), "device": data["device"]["nvidia_smi"], "run": run}
+        if impl != first_ours and impl.startswith("ours"):
+            same = first_diffs(outputs(impl), outputs(first_ours))
+            row["identical_to"] = {"impl": first_ours, "identical": same.count(None), "sequences": len(same)}
+        report = conc.get("idle_report")
+        if report:
+            row["pools_back_to_initial"] = not report["leak"]
+            row["miss_rate"] = report["misses"] / report["selected"] if report["selected"] else None
+        rows.append(row)
+    return rows
+
+
 def option(words: list[str], flag: str, default: str) -> str:
     return words[words.index(flag) + 1] if flag in words else default
 
@@ -322,6 +370,9 @@ def main() -> int:
     for run in V4_PROBES:
         commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
         exactness += v4_probe_rows(run)
+    for run in V4_CONCURRENT:
+        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
+        exactness += v4_concurrent_rows(run)
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
            "throughput": throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
