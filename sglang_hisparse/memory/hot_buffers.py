@@ -162,9 +162,9 @@ class HotBuffers:
         return self._rows_to_add(keep, self._slots_for_step(seq_len))
 
     def grow(self, idxs, seq_lens) -> None:
-        """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors or numpy arrays): a request whose
-        newest position ``seq_len - 1 <= B`` has no row yet gets the next page(s) from the free
-        rows. That only ever happens where the position starts a page (capacities are whole
+        """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors or numpy arrays): a
+        request whose newest position ``seq_len - 1 <= B`` has no row yet gets the next page(s)
+        from the free rows. That only ever happens where the position starts a page (capacities are whole
         pages), so only those requests are looked at."""
         idxs, seq_lens = np.asarray(idxs), np.asarray(seq_lens)
         at_page_start = np.flatnonzero((seq_lens - 1) % self.page_size == 0)
