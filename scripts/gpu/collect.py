@@ -20,6 +20,7 @@ RESULTS = ROOT / "docs" / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_log import decode_stats, decode_trace, parse_batches, split_throughput_run  # noqa: E402
 from e2e import speculative_label  # noqa: E402
+from v4_probe import first_diff  # noqa: E402
 
 # (fragment, workload description, how the call was made)
 FRAGMENTS = [
@@ -283,9 +284,7 @@ def v4_concurrent_rows(run: str) -> list[dict]:
         return [r.get("output_ids") for r in impls[impl]["concurrent"]["requests"]]
 
     def first_diffs(ids_list: list, ref_list: list) -> list:
-        return [next((i for i, (a, b) in enumerate(zip(ids, ref)) if a != b),
-                     None if len(ids) == len(ref) else min(len(ids), len(ref)))
-                for n, (ids, ref) in enumerate(zip(ids_list, ref_list)) if n not in aborted]
+        return [first_diff(ids, ref) for n, (ids, ref) in enumerate(zip(ids_list, ref_list)) if n not in aborted]
 
     base, rows = outputs("none"), []
     first_ours = next(impl for impl in impls if impl.startswith("ours"))
