@@ -936,6 +936,7 @@ def test_prefix_bench_summary_pools_and_grouping():
     assert pb.pools_back({"leak": True, "cached": 0, "counts": counts}) is False and pb.pools_back(None) is None
     assert pb.how_many_fit(110_000, 31_000) == 3 and pb.how_many_fit(50_000, 31_000) == 1
     assert pb.how_many_fit(20_000, 31_000) == 0 and pb.how_many_fit(None, 31_000) == 1
+    assert pb.how_many_fit(110_000, 31_000, growth_mib=6144) == 2  # the H200 run where a fourth ran out
     log = "\n".join([_prefill(900), _decode(2, 1.0), _decode(2, 200.0), _decode(2, 200.0), _prefill(100)])
     stats = pb.log_stats(log)
     assert stats["prefilled_tokens"] == 1000 and stats["decode_trace"] == "2x3" and stats["decode_steps"] == 2
@@ -1049,7 +1050,7 @@ def test_prefix_bench_main_against_stand_in_servers(tmp_path, monkeypatch, capsy
         fakes.append(fake)
         return pb.Live(name, impl, radix, Server(port=fake.port, process=Exited(), log_path=fake.log_path))
 
-    free = itertools.cycle([100_000, 70_000, 10_000])  # per group: before and after the first start, then a log line
+    free = itertools.cycle([120_000, 90_000, 10_000])  # per group: before and after the first start, then a log line
     monkeypatch.setattr(pb, "launch", launch)
     monkeypatch.setattr(pb, "gpu_free_mib", lambda: next(free))
     monkeypatch.setattr(pb, "machine", lambda: {"nvidia_smi": "Fake GPU, 1 MiB", "cpus": 2, "ram_gib": 8})

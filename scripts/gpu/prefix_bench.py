@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-bs", type=int, default=0, help="the one CUDA-graph capture size (0: the largest batch)")
     p.add_argument("--together", type=int, default=0,
                    help="servers up at once (0: as many as the GPU's free memory holds after the first one started)")
+    p.add_argument("--growth-mib", type=int, default=6144,
+                   help="what each server takes beyond its warm-up during the workloads (16 x 16k multi-turn "
+                        "on ds32-width grew each of four servers by ~4.7 GiB, and the fourth ran out of memory)")
     p.add_argument("--strict", action="store_true",
                    help="every server --disable-overlap-schedule, ours with wait_for_staging (batches held equal)")
     p.add_argument("--decode-log-interval", type=int, default=1, help="SGLang's decode log interval (traces need 1)")
@@ -321,13 +324,15 @@ def gpu_free_mib() -> int | None:
         return None
 
 
-def how_many_fit(free_mib: int | None, used_mib: int | None, margin: float = 1.05, reserve_mib: int = 2048) -> int:
+def how_many_fit(free_mib: int | None, used_mib: int | None, margin: float = 1.05, reserve_mib: int = 2048,
+                 growth_mib: int = 0) -> int:
     """How many more servers like the one measured (``used_mib`` taken by it, warm-up included) fit
-    in ``free_mib``, each with a margin, plus a reserve for the workloads' activations. Unknown
-    readings: 1 (one more at a time)."""
+    in ``free_mib``, each with a margin and ``growth_mib`` more for what the workloads' prefills
+    take beyond the warm-up (the measured one grows too), plus a reserve. Unknown readings: 1 (one
+    more at a time)."""
     if free_mib is None or used_mib is None or used_mib <= 0:
         return 1
-    return max(0, int((free_mib - reserve_mib) // (margin * used_mib)))
+    return max(0, int((free_mib - reserve_mib - growth_mib) // (margin * used_mib + growth_mib)))
 
 
 def flush(server: Server, tries: int = 5) -> bool:
@@ -550,7 +555,7 @@ def start_group(pending: list[str], args: argparse.Namespace, clock: Clock, resu
     if isinstance(first, Exception):
         return []
     group = [first]
-    fit = args.together - 1 if args.together > 0 else how_many_fit(after, used)
+    fit = args.together - 1 if args.together > 0 else how_many_fit(after, used, growth_mib=args.growth_mib)
     more = pending[:fit] if clock.left() >= args.start_margin_s else []
     del pending[:len(more)]
     started: dict[str, Live | Exception] = {}
@@ -731,7 +736,7 @@ def machine_line(info: dict) -> str:
 def settings(args: argparse.Namespace) -> dict:
     keys = ("model", "conversations", "turns", "max_context", "new_tokens", "shared_requests", "shared_prefix",
             "suffix_tokens", "seed", "buffer", "ratio", "max_total_tokens", "mem_fraction", "locality", "kv_dtype",
-            "strict", "decode_log_interval", "together", "budget_s")
+            "strict", "decode_log_interval", "together", "growth_mib", "budget_s")
     return {**{k: getattr(args, k) for k in keys}, "graph_bs": graph_size(args), "server_flags": server_flags(args)}
 
 
