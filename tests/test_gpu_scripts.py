@@ -227,6 +227,22 @@ def test_v4_concurrent_rows_agree_with_the_probes_own_comparison():
     assert rows[("ours", 2048)]["pools_back_to_initial"] and rows[("ours", 2048)]["miss_rate"] > 0.05
 
 
+def test_v4_concurrent_rows_without_aborts_compare_every_request():
+    """gpu_v4probe7 (the same batch, none aborted): every request is compared, and the rows agree
+    with the probe's own comparison (12 / 12 for ours at both B)."""
+    import collect
+
+    data = json.loads((collect.RESULTS / "gpu_v4probe7" / "v4probe.json").read_text())
+    rows = {(r["impl"], r["B"]): r for r in collect.v4_concurrent_rows("gpu_v4probe7")}
+    for name, row in (("ours", rows[("ours", 2048)]), ("ours@4096", rows[("ours", 4096)]),
+                      ("upstream", rows[("upstream", 2048)])):
+        recorded = data["compare_concurrent"]["against"][name]
+        assert row["sequences"] == recorded["compared"] == 12
+        assert row["identical"] == recorded["identical_count"]
+        assert "none aborted" in row["workload"]
+    assert rows[("ours", 2048)]["identical"] == 12 and rows[("ours", 4096)]["identical_to"]["identical"] == 12
+
+
 def test_perf_report_pools_runs_of_one_point_from_several_calls(tmp_path):
     """scripts/gpu/perf_report.py: the same (model, impl, locality, concurrency) measured in two
     calls becomes one row with both repeats, their median and spread; relabelled calls stay apart;

@@ -269,7 +269,7 @@ def v4_probe_rows(run: str) -> list[dict]:
     return rows
 
 
-V4_CONCURRENT = ["gpu_v4probe6"]
+V4_CONCURRENT = ["gpu_v4probe6", "gpu_v4probe7"]
 
 
 def v4_concurrent_rows(run: str) -> list[dict]:
@@ -299,8 +299,9 @@ def v4_concurrent_rows(run: str) -> list[dict]:
                "graph_bs": phase["n"], "sequences": len(diffs), "identical": diffs.count(None),
                "first_diff": diffs, "new_tokens": data["new_tokens"],
                "workload": (f"{phase['n']} requests in one batch ({min(phase['lengths'])}-{max(phase['lengths'])} "
-                            f"tokens), {len(aborted)} aborted after {phase['abort_after']} tokens, greedy, torch "
-                            "top-k; decode batches not held equal around the aborts"),
+                            f"tokens), " + (f"{len(aborted)} aborted after {phase['abort_after']} tokens, greedy, "
+                                            "torch top-k; decode batches not held equal around the aborts"
+                                            if aborted else "none aborted, greedy, torch top-k")),
                "decode_trace": conc.get("decode_trace"),
                "baseline_decode_trace": impls["none"]["concurrent"].get("decode_trace"),
                "retracted": conc.get("retracted"), "device": data["device"]["nvidia_smi"], "run": run}
