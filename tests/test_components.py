@@ -201,3 +201,49 @@ def test_batched_host_row_growth_gives_what_growth_one_request_at_a_time_gives(g
         batched.forget(idx)
         assert batched.pool.rows_of(idx).numel() == 0 and bool((batched.row_table[idx] == -1).all())
     assert batched.pool.available_size() == free_before + held
+
+
+def test_a_staged_request_borrows_lent_host_rows_copies_only_the_rest_and_never_frees_them(gloo_world):
+    """``HostMirror.stage`` with lent rows (a cached prefix's, the radix tree's): they become the
+    slot's rows of the first positions without being written, only the positions after them are
+    copied from the device into rows of the slot's own, ``forget`` frees only its own rows, and
+    ``hand_over`` returns all of them, the lent ones first."""
+    from types import SimpleNamespace
+
+    rig = Rig(gloo_world, max_reqs=4)
+    mirror, device_pool = rig.coord.mirror, rig.coord.device_pool
+    pool = mirror.pool
+    lent = pool.alloc(2 * PAGE).to(torch.int64)  # owned elsewhere
+    n = 2 * PAGE + 5
+    device_rows = torch.randperm(PAGE * 8)[:n].to(torch.int64)
+    generator = torch.Generator().manual_seed(3)
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[layer][lent] = 7.0  # what the lender holds
+        device_pool.kv_buffer[layer][device_rows] = torch.rand(
+            device_pool.kv_buffer[layer][device_rows].shape, generator=generator)
+    req = SimpleNamespace(req_pool_idx=1, rid="borrower")
+    free_before = pool.available_size()
+
+    mirror.stage(req, device_rows, lent)
+    mirror.drain()
+    table = mirror.row_table[1]
+    assert torch.equal(table[: 2 * PAGE].cpu(), lent) and int(mirror.rows_allocated[1]) == 3 * PAGE
+    assert pool.available_size() == free_before - PAGE  # one page of its own for the 5 positions after
+    own = table[2 * PAGE:n].cpu()
+    for layer in range(pool.layer_num):
+        assert bool((pool.kv_buffer[layer][lent] == 7.0).all()), "the lent rows were written"
+        assert torch.equal(pool.kv_buffer[layer][own], device_pool.kv_buffer[layer][device_rows[2 * PAGE:]])
+
+    mirror.drop_staged(req)
+    mirror.forget(1)
+    assert pool.available_size() == free_before and pool.borrowed_count(1) == 0
+    assert bool((mirror.row_table[1] == -1).all())
+
+    mirror.stage(req, device_rows, lent)
+    mirror.drop_staged(req)
+    rows, complete = mirror.hand_over(1)
+    assert complete == n and torch.equal(rows[: 2 * PAGE], lent) and pool.borrowed_count(1) == 0
+    pool.free(rows[2 * PAGE:])
+    assert pool.available_size() == free_before
+    with pytest.raises(AssertionError, match="whole pages"):
+        mirror.stage(req, device_rows, lent[:PAGE - 1])

@@ -134,6 +134,7 @@ def check_multi_turn_and_shared_prefix(base, ours) -> None:
     assert all(c >= 1024 for _, c in ours_shared[1:]), "the shared system prefix comes from the cache"
     report = wait_for_idle_report(ours, after=before)
     assert not report["leak"] and report["cached"] > 0, report
+    assert 0 < report["lent"] <= report["loaded"], report  # matched prefixes' host rows borrowed, not copied again
 
     before = settle(ours)
     flush(ours)

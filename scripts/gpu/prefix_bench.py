@@ -356,7 +356,7 @@ def pools_back(report: dict | None) -> bool | None:
 
 
 def brief(report: dict | None) -> dict | None:
-    keys = ("leak", "cached", "loaded", "evicted", "counts", "resident", "demotions")
+    keys = ("leak", "cached", "loaded", "lent", "evicted", "counts", "resident", "demotions")
     return None if report is None else {k: report.get(k) for k in keys}
 
 

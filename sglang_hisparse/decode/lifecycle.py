@@ -66,9 +66,12 @@ class RequestLifecycle:
 
     # --- staging (after prefill) ---------------------------------------------------------------
     def stage(self, req) -> None:
-        """After prefill: copy the request's KV (every layer) to host rows off the critical path."""
+        """After prefill: copy the request's KV (every layer) to host rows off the critical path.
+        A request whose prefix was loaded from the prefix cache borrows the cache's host rows for
+        it (``lend_rows``): only the positions after it are copied."""
         self.stats.note_activity()
-        self.mirror.stage(req, self.allocator.device_rows_of(self.logical_ids(req, req.extend_range.end)))
+        lent = self.prefix_cache.lend_rows(req) if self.prefix_cache is not None else None
+        self.mirror.stage(req, self.allocator.device_rows_of(self.logical_ids(req, req.extend_range.end)), lent)
 
     def keep_draft_state(self, req_pool_idx: int, state: Any) -> None:
         """Hold a staged request's draft state (opaque) until it joins decode or leaves."""

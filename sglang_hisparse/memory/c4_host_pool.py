@@ -105,6 +105,7 @@ class C4HostPool(RequestRowRecord):
         if layer_num < 1 or capacity < 1:
             raise ValueError(f"a C4 host pool needs layers >= 1 and capacity >= 1, got {layer_num}, {capacity}")
         self._rows_of = {}
+        self._borrowed_of = {}
         self.layer_num = layer_num
         self.device = torch.device(device)
         self.pin_memory = pin_memory

@@ -43,6 +43,8 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
         """Request slot -> the host rows it was given (CPU int64 chunks, position order): the same
         rows as its table row up to its allocated end, kept on the host so that a request's rows
         are freed without reading the (device) table back."""
+        self._borrowed_of: dict[int, int] = {}
+        """Request slot -> leading rows borrowed from the prefix cache (never freed through the slot)."""
 
     @property
     def capacity_tokens(self) -> int:

@@ -2,7 +2,9 @@
 ``HiSparseHostPool``, DeepSeek-V4's ``C4HostPool``).
 
 Owns each request slot's rows as CPU chunks (``_rows_of``); the rows' free list belongs to the pool
-that mixes this in, the position -> host row table to its caller (the host mirror).
+that mixes this in, the position -> host row table to its caller (the host mirror). A slot may
+start with borrowed rows (``_borrowed_of``: a cached prefix's, lent by the radix tree): they are in
+the slot's record and table like its own, but never freed through the slot.
 """
 
 from __future__ import annotations
@@ -18,13 +20,40 @@ class RequestRowRecord:
     from the table's device. Invariant: a slot's record equals its table row up to its allocated
     end, which is a multiple of ``page_size``. Subclasses provide ``page_size``, ``alloc``,
     ``free`` and ``available_size`` (the free list: SGLang's for the DSA pool, ours for C4) and
-    set ``_rows_of = {}``."""
+    set ``_rows_of = {}`` and ``_borrowed_of = {}``."""
 
     page_size: int
     pool_label = "host pool"
     """What an exhaustion error calls the pool."""
     _rows_of: dict[int, list[torch.Tensor]]
     """The record (set to ``{}`` by the subclass's constructor)."""
+    _borrowed_of: dict[int, int]
+    """Slot -> how many leading rows of its record are borrowed (set to ``{}`` likewise)."""
+
+    def borrow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int,
+                            rows: torch.Tensor) -> None:
+        """Make ``rows`` (CPU int64, whole pages, owned elsewhere: a cached prefix's host rows) the
+        rows of positions ``0..len(rows)-1`` of a slot that has none. Side effects: the table row,
+        the allocated end and the record as for own rows, and the borrowed count; later growth adds
+        own pages after them. :meth:`free_request_rows` never frees borrowed rows;
+        :meth:`release_request_rows` returns them with the rest (its caller lent them). Raises
+        AssertionError for a slot that has rows or a length that is not whole pages."""
+        count = int(rows.numel())
+        if count == 0:
+            return
+        if count % self.page_size:
+            raise AssertionError(f"borrowed host rows must be whole pages: {count} rows, page {self.page_size}")
+        if int(lengths[req_pool_idx]) != 0 or req_pool_idx in self._rows_of:
+            raise AssertionError(f"slot {req_pool_idx} borrows host rows but already has some")
+        rows = rows.to(torch.int64)
+        table[req_pool_idx, :count] = rows.to(table.device, non_blocking=True)
+        lengths[req_pool_idx] = count
+        self._rows_of[req_pool_idx] = [rows]
+        self._borrowed_of[req_pool_idx] = count
+
+    def borrowed_count(self, req_pool_idx: int) -> int:
+        """How many leading rows of a slot are borrowed (0 for none). No side effects."""
+        return self._borrowed_of.get(req_pool_idx, 0)
 
     def alloc_paged_token_slots(self, req_to_host_pool: torch.Tensor, req_to_host_pool_allocated_len: torch.Tensor,
                                 req_pool_idx: int, start_pos: int, num_tokens: int) -> torch.Tensor:
@@ -89,17 +118,21 @@ class RequestRowRecord:
                 self._rows_of.setdefault(idx, []).append(chunk)
 
     def free_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> int:
-        """Return every host row of a request to the free list and clear its table row (to -1) and
-        allocated end. Returns the rows freed (0 for a slot with none). Reads only the record."""
-        rows = self.release_request_rows(table, lengths, req_pool_idx)
+        """Return every host row of a request to the free list, except borrowed ones (their owner
+        keeps them), and clear its table row (to -1), allocated end and borrowed count. Returns the
+        rows freed (0 for a slot with none). Reads only the record."""
+        borrowed = self.borrowed_count(req_pool_idx)
+        rows = self.release_request_rows(table, lengths, req_pool_idx)[borrowed:]
         return self.free(rows) if rows.numel() else 0
 
     def release_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int) -> torch.Tensor:
-        """Clear a request's record, table row (to -1) and allocated end without freeing its rows;
-        returns them (CPU int64, position order) to whoever frees them (the prefix cache takes a
-        finished request's: ``HostMirror.hand_over``)."""
+        """Clear a request's record, table row (to -1), allocated end and borrowed count without
+        freeing its rows; returns them (CPU int64, position order, borrowed ones first) to whoever
+        frees them (the prefix cache takes a finished request's: ``HostMirror.hand_over``; it knows
+        which it lent)."""
         allocated = int(lengths[req_pool_idx])
         chunks = self._rows_of.pop(req_pool_idx, [])
+        self._borrowed_of.pop(req_pool_idx, None)
         if allocated == 0:
             return torch.empty(0, dtype=torch.int64)
         rows = chunks[0] if len(chunks) == 1 else torch.cat(chunks)

@@ -12,12 +12,16 @@ order) and changes what a node's ids carry and how a match is served:
   admission calls :meth:`init_load_back` under the node's lock: the request gets ids of its own
   with device rows, the indexer keys are copied device to device, the KV host to device, on the
   current stream. The request then prefills only its unmatched part and decodes exactly as one that
-  prefilled everything (its prefix ids and rows are its own).
+  prefilled everything (its prefix ids and device rows are its own). Its host rows of the prefix
+  are the tree's, lent at staging (:meth:`lend_rows`): only the positions after the prefix are
+  copied to host, and the loan ends in :meth:`cache_finished_req` (SGLang keeps the node locked
+  from admission until then, so the lent rows cannot be evicted under it).
 * **at finish** our coordinator writes the request's pending KV through and hands over its host
   rows (:meth:`hand_over`, from ``request_finished``, which SGLang calls first);
   :meth:`cache_finished_req` (SGLang's call right after) inserts the page-aligned committed
   tokens, adopts the ids and host rows of the part the tree did not have, and frees everything
-  else the request held: the ids of its loaded prefix copy, its duplicates, its unaligned tail.
+  else the request held: the ids of its loaded prefix copy, its duplicates, its unaligned tail
+  (never the rows the tree lent it).
 * **a running request's prefix is not shared** (:meth:`cache_unfinished_req` inserts nothing):
   it becomes reusable when the request finishes.
 * **eviction** (SGLang's, by its policy) frees a leaf's host rows here and its ids through the
@@ -27,7 +31,9 @@ order) and changes what a node's ids carry and how a match is served:
   exact.
 
 Owns: the tree (SGLang's structure) and ``host_rows_of`` (host row of each tree-owned id, -1
-for none) with the handed-over rows of finishing requests until SGLang's ``cache_finished_req``.
+for none) with the handed-over rows of finishing requests until SGLang's ``cache_finished_req``,
+the offers of loaded prefixes' host rows (until staging) and the loans (request slot -> rows lent,
+until ``cache_finished_req``).
 Not owned: the host rows' bytes and free list (the coordinator's host mirror), the ids' free list
 and device rows (the allocator).
 
@@ -93,11 +99,18 @@ class HostPrefixCache(RadixCache):
         """Host row of each tree-owned logical id (-1: none). CPU."""
         self._handed: dict[int, HandedOver] = {}
         self._pending = PendingLoads(self.token_to_kv_pool_allocator.free)
+        self._offers: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        """Request (by ``id``) -> the tree's host rows of the prefix its last load-back loaded; taken
+        by :meth:`lend_rows` at staging, dropped when the request is matched again or is gone."""
+        self._lent: dict[int, int] = {}
+        """Request slot -> how many leading host rows of it are the tree's (lent at staging)."""
         self.coordinator: Any = None
         self.loaded_tokens = 0
         """Tokens served from the tree since start (loaded, not prefilled)."""
         self.evicted_tokens = 0
         """Tokens evicted since start (their ids and host rows freed)."""
+        self.lent_tokens = 0
+        """Tokens whose cached host rows were lent to a staged request since start (not copied)."""
 
     def attach(self, coordinator: Any) -> None:
         """The coordinator whose host mirror, device pool and allocator serve the loads."""
@@ -107,6 +120,8 @@ class HostPrefixCache(RadixCache):
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached page-aligned prefix, reported as a host hit: no device indices; the
         matched node is where :meth:`init_load_back` starts (SGLang locks it through the prefill)."""
+        if params.req is not None:  # a new match supersedes the request's earlier load-back
+            self._offers.pop(id(params.req), None)
         found = super().match_prefix(params)
         hit = int(found.device_indices.numel())
         if hit == 0:
@@ -150,7 +165,29 @@ class HostPrefixCache(RadixCache):
         self.loaded_tokens += hit
         if req is not None:
             self._pending.add(req, ids)
+            self._offer(req, host_rows)
         return ids.to(torch.int64), node
+
+    def _offer(self, req: Any, host_rows: torch.Tensor) -> None:
+        """Keep the prefix's host rows for the request's staging; drop offers of requests gone."""
+        for key in [key for key, (ref, _) in self._offers.items() if ref() is None]:
+            del self._offers[key]
+        self._offers[id(req)] = (weakref.ref(req), host_rows)
+
+    def lend_rows(self, req: Any) -> Optional[torch.Tensor]:
+        """At staging (the coordinator's call, after the request's last prefill chunk): the tree's
+        host rows of the prefix loaded for ``req`` (positions ``0..L-1``, CPU int64, whole pages),
+        lent to its slot until :meth:`cache_finished_req`; None when its prefill loaded none. Side
+        effects: the offer taken, the loan recorded by slot (any earlier record of the slot
+        replaced)."""
+        self._lent.pop(req.req_pool_idx, None)
+        offer = self._offers.pop(id(req), None)
+        if offer is None or offer[0]() is not req:
+            return None
+        rows = offer[1]
+        self._lent[req.req_pool_idx] = int(rows.numel())
+        self.lent_tokens += int(rows.numel())
+        return rows
 
     def _path_ids(self, node: Any) -> torch.Tensor:
         """The ids of every token from the root to ``node``, in order."""
@@ -176,6 +213,8 @@ class HostPrefixCache(RadixCache):
         ids and rows of the part the tree lacked, free the rest (module docstring); unlock."""
         allocator = self.token_to_kv_pool_allocator
         self._pending.consumed(req)
+        self._offers.pop(id(req), None)
+        lent = self._lent.pop(req.req_pool_idx, 0)
         handed = self._handed.pop(req.req_pool_idx, None)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
@@ -190,13 +229,17 @@ class HostPrefixCache(RadixCache):
             result = self.insert(InsertParams(key=key, value=ids[:insert_len].clone(),
                                               priority=getattr(req, "priority", 0) or 0))
             adopted_from = result.prefix_len
+            if adopted_from < min(lent, insert_len):
+                raise AssertionError(f"sglang-hisparse: request {req.rid} borrowed {lent} cached host rows but the "
+                                     f"tree holds only {adopted_from} of its tokens (the prefix node was not locked)")
             adopted = ids[adopted_from:insert_len]
             if adopted.numel():
                 allocator.release_device_rows(adopted)  # C3: tree-owned ids have no device rows
                 self.host_rows_of[adopted.cpu()] = handed.rows[adopted_from:insert_len]
         allocator.free(torch.cat([ids[:adopted_from], ids[insert_len:]]))
-        if handed is not None:
-            self.coordinator.mirror.pool.free(torch.cat([handed.rows[:adopted_from], handed.rows[insert_len:]]))
+        if handed is not None:  # the request's own rows: after the lent ones, neither adopted nor the tree's
+            rows = handed.rows
+            self.coordinator.mirror.pool.free(torch.cat([rows[lent:adopted_from], rows[max(insert_len, lent):]]))
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
 
@@ -222,10 +265,13 @@ class HostPrefixCache(RadixCache):
         """Empty the tree (``/flush_cache``, only when idle): every host row it holds is freed.
         The ids go back with SGLang's ``allocator.clear()``, which follows."""
         if self.host_rows_of is not None:
+            if self._lent:  # SGLang resets only when idle: every loan has ended
+                raise AssertionError(f"sglang-hisparse: the prefix cache was reset with host rows lent to slots {sorted(self._lent)}")
             held = self.host_rows_of[self.host_rows_of >= 0]
             if held.numel():
                 self.coordinator.mirror.pool.free(held)
             self.host_rows_of.fill_(-1)
+            self._offers.clear()
             if self.coordinator is not None:
                 self.coordinator.stats.note_activity()  # the next idle report shows the pools back
         super().reset()
