@@ -1,5 +1,5 @@
-"""Prefix reuse, the pieces without a server: the room an eviction adds, and loads that were not
-scheduled (docs/prefix_reuse/README.md). The end to end behaviour is in test_e2e_cpu_prefix.py."""
+"""Prefix reuse, the pieces without a server: the room an eviction adds, loads that were not
+scheduled, and the loans of cached host rows (docs/prefix_reuse/README.md). The end to end behaviour is in test_e2e_cpu_prefix.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sglang_hisparse.memory.allocator_room import AllocatorRoom
 from sglang_hisparse.memory.device_rows import DeviceRows
 from sglang_hisparse.memory.paging import PageAllocator
-from sglang_hisparse.prefix.host_tree import PendingLoads
+from sglang_hisparse.prefix.host_tree import PendingLoads, PrefixLoans
 
 P = 4
 
@@ -41,6 +41,9 @@ def test_the_room_an_eviction_adds_is_what_available_becomes_after_it(logical_us
 class Req:
     """A stand-in request (weak-referenceable, as SGLang's ``Req`` is)."""
 
+    def __init__(self, slot: int = 0):
+        self.req_pool_idx = slot
+
 
 def test_a_load_not_scheduled_is_freed_when_loaded_again_or_when_its_request_is_gone():
     freed: list[list[int]] = []
@@ -58,3 +61,33 @@ def test_a_load_not_scheduled_is_freed_when_loaded_again_or_when_its_request_is_
     assert freed == [[1, 2], [3, 4]]
     pending.free_stale(c)
     assert freed == [[1, 2], [3, 4]], "a consumed load is never freed here"
+
+
+def test_a_loan_follows_the_last_load_back_and_ends_with_the_request():
+    """Lent at staging only what the request's last load-back offered (a new match withdraws the
+    offer: a request prefilled without a load borrows nothing); the loan is recorded by slot until
+    the request ends; a reset with a loan open is refused."""
+    import pytest
+
+    loans = PrefixLoans()
+    a, b = Req(slot=1), Req(slot=2)
+    loans.offer(a, torch.arange(8))
+    loans.offer(b, torch.arange(8, 12))
+    loans.withdraw(b)  # b was matched again and not loaded
+    assert loans.lend(b) is None and loans.end(b) == 0
+    assert torch.equal(loans.lend(a), torch.arange(8)) and loans.lent_tokens == 8
+    with pytest.raises(AssertionError, match="loan of cached host rows open"):
+        loans.lend(a)  # staged again before it ended
+    with pytest.raises(AssertionError, match="lent to slots \\[1\\]"):
+        loans.clear()
+    assert loans.end(a) == 8 and loans.end(a) == 0
+    assert loans.lend(a) is None, "an offer is lent once"
+    loans.offer(a, torch.arange(4))
+    assert loans.lend(a).numel() == 4 and loans.end(a) == 4 and loans.end(a) == 0
+    c = Req(slot=3)
+    loans.offer(c, torch.arange(4))
+    del c
+    gc.collect()
+    loans.offer(a, torch.arange(4))  # offers of requests gone are dropped at the next offer
+    assert len(loans._offers) == 1
+    loans.clear()

@@ -102,23 +102,14 @@ class HostMirror:
 
     # --- staging -----------------------------------------------------------------------------
     def stage(self, req: Any, device_rows: torch.Tensor, lent_rows: Optional[torch.Tensor] = None) -> None:
-        """Queue the copy of a prefilled request's rows (positions ``0..n-1``) to host.
-
-        ``lent_rows``: host rows that already hold the KV of positions ``0..L-1`` (a cached
-        prefix's, lent by the radix tree; whole pages, ``L < n``): they become the request's rows
-        of those positions, borrowed (never freed through it), and only positions ``L..n-1`` are
-        copied.
-
-        Side effects: host rows for the positions; a copy on the staging lane after the current
-        stream; the request joins the back of the staging queue.
-        """
+        """Queue the copy of a prefilled request's rows (positions ``0..n-1``) to host. ``lent_rows``
+        (a cached prefix's host rows, lent by the radix tree) already hold positions ``0..L-1``:
+        they become its rows there, borrowed (``borrow_request_rows``), and are not copied. Side
+        effects: host rows for the positions; a copy on the staging lane after the current stream;
+        the request joins the back of the staging queue."""
         idx, n = req.req_pool_idx, device_rows.numel()
-        lent = 0 if lent_rows is None else int(lent_rows.numel())
-        if lent > n:
-            raise AssertionError(f"request {req.rid}: {lent} lent host rows for {n} positions")
-        if lent:
-            self.pool.borrow_request_rows(self.row_table, self.rows_allocated, idx, lent_rows)
-            device_rows = device_rows[lent:]
+        lent = self.pool.borrow_request_rows(self.row_table, self.rows_allocated, idx, lent_rows, limit=n)
+        device_rows = device_rows[lent:]
         host_rows = self.pool.alloc_paged_token_slots(self.row_table, self.rows_allocated, idx, lent, n - lent)
         self._staging.submit(req, lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
                              reads=(device_rows, host_rows))

@@ -31,18 +31,20 @@ class RequestRowRecord:
     """Slot -> how many leading rows of its record are borrowed (set to ``{}`` likewise)."""
 
     def borrow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int,
-                            rows: torch.Tensor) -> None:
+                            rows: "torch.Tensor | None", limit: int) -> int:
         """Make ``rows`` (CPU int64, whole pages, owned elsewhere: a cached prefix's host rows) the
-        rows of positions ``0..len(rows)-1`` of a slot that has none. Side effects: the table row,
-        the allocated end and the record as for own rows, and the borrowed count; later growth adds
-        own pages after them. :meth:`free_request_rows` never frees borrowed rows;
-        :meth:`release_request_rows` returns them with the rest (its caller lent them). Raises
-        AssertionError for a slot that has rows or a length that is not whole pages."""
-        count = int(rows.numel())
+        rows of positions ``0..len(rows)-1`` of a slot that has none; returns how many (0 for None
+        or empty: no effect). Side effects: the table row, the allocated end and the record as for
+        own rows, and the borrowed count; later growth adds own pages after them.
+        :meth:`free_request_rows` never frees borrowed rows; :meth:`release_request_rows` returns
+        them with the rest (its caller lent them). Raises AssertionError for a slot that has rows,
+        a length that is not whole pages or more rows than ``limit`` (the positions to cover)."""
+        count = 0 if rows is None else int(rows.numel())
         if count == 0:
-            return
-        if count % self.page_size:
-            raise AssertionError(f"borrowed host rows must be whole pages: {count} rows, page {self.page_size}")
+            return 0
+        if count % self.page_size or count > limit:
+            raise AssertionError(f"borrowed host rows must be whole pages within {limit} positions: {count} rows, "
+                                 f"page {self.page_size}")
         if int(lengths[req_pool_idx]) != 0 or req_pool_idx in self._rows_of:
             raise AssertionError(f"slot {req_pool_idx} borrows host rows but already has some")
         rows = rows.to(torch.int64)
@@ -50,6 +52,7 @@ class RequestRowRecord:
         lengths[req_pool_idx] = count
         self._rows_of[req_pool_idx] = [rows]
         self._borrowed_of[req_pool_idx] = count
+        return count
 
     def borrowed_count(self, req_pool_idx: int) -> int:
         """How many leading rows of a slot are borrowed (0 for none). No side effects."""

@@ -32,8 +32,7 @@ order) and changes what a node's ids carry and how a match is served:
 
 Owns: the tree (SGLang's structure) and ``host_rows_of`` (host row of each tree-owned id, -1
 for none) with the handed-over rows of finishing requests until SGLang's ``cache_finished_req``,
-the offers of loaded prefixes' host rows (until staging) and the loans (request slot -> rows lent,
-until ``cache_finished_req``).
+and the loans of cached host rows to requests whose prefix was loaded (:class:`PrefixLoans`).
 Not owned: the host rows' bytes and free list (the coordinator's host mirror), the ids' free list
 and device rows (the allocator).
 
@@ -79,6 +78,54 @@ class PendingLoads:
             self._free(self._loads.pop(key)[1])
 
 
+class PrefixLoans:
+    """The tree's host rows of loaded prefixes, from load-back to the request's finish: offered at
+    load-back (by request), lent at staging (by request slot), ended by ``cache_finished_req``.
+    Owns both tables; the rows themselves stay the tree's (``host_rows_of``) throughout."""
+
+    def __init__(self):
+        self._offers: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self._lent: dict[int, int] = {}
+        self.lent_tokens = 0
+        """Tokens whose host rows were lent to a staged request since start (not copied)."""
+
+    def offer(self, req: Any, host_rows: torch.Tensor) -> None:
+        """The prefix ``req``'s load-back just loaded; offers of requests gone are dropped."""
+        for key in [key for key, (ref, _) in self._offers.items() if ref() is None]:
+            del self._offers[key]
+        self._offers[id(req)] = (weakref.ref(req), host_rows)
+
+    def withdraw(self, req: Any) -> None:
+        """Drop ``req``'s offer (matched again: a new load-back, if any, offers anew)."""
+        self._offers.pop(id(req), None)
+
+    def lend(self, req: Any) -> Optional[torch.Tensor]:
+        """Take ``req``'s offer and record the loan by its slot; None without an offer.
+        AssertionError when the slot has a loan open (its request never ended: freeing by the
+        wrong count would free the tree's rows or leak the request's)."""
+        if req.req_pool_idx in self._lent:
+            raise AssertionError(f"sglang-hisparse: request slot {req.req_pool_idx} staged with a loan of cached host rows open")
+        offer = self._offers.pop(id(req), None)
+        if offer is None or offer[0]() is not req:
+            return None
+        self._lent[req.req_pool_idx] = int(offer[1].numel())
+        self.lent_tokens += int(offer[1].numel())
+        return offer[1]
+
+    def end(self, req: Any) -> int:
+        """The request is done with the tree's rows: its offer and loan dropped; returns how many
+        leading rows of its slot were lent (0 for none)."""
+        self.withdraw(req)
+        return self._lent.pop(req.req_pool_idx, 0)
+
+    def clear(self) -> None:
+        """Drop every offer (``/flush_cache``); AssertionError while a loan is open (SGLang resets
+        only when idle, after every request's ``cache_finished_req``)."""
+        if self._lent:
+            raise AssertionError(f"sglang-hisparse: the prefix cache was reset with host rows lent to slots {sorted(self._lent)}")
+        self._offers.clear()
+
+
 @dataclass
 class HandedOver:
     """A finishing request's host rows, in position order, complete for positions ``[0, complete)``."""
@@ -99,18 +146,12 @@ class HostPrefixCache(RadixCache):
         """Host row of each tree-owned logical id (-1: none). CPU."""
         self._handed: dict[int, HandedOver] = {}
         self._pending = PendingLoads(self.token_to_kv_pool_allocator.free)
-        self._offers: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-        """Request (by ``id``) -> the tree's host rows of the prefix its last load-back loaded; taken
-        by :meth:`lend_rows` at staging, dropped when the request is matched again or is gone."""
-        self._lent: dict[int, int] = {}
-        """Request slot -> how many leading host rows of it are the tree's (lent at staging)."""
+        self.loans = PrefixLoans()
         self.coordinator: Any = None
         self.loaded_tokens = 0
         """Tokens served from the tree since start (loaded, not prefilled)."""
         self.evicted_tokens = 0
         """Tokens evicted since start (their ids and host rows freed)."""
-        self.lent_tokens = 0
-        """Tokens whose cached host rows were lent to a staged request since start (not copied)."""
 
     def attach(self, coordinator: Any) -> None:
         """The coordinator whose host mirror, device pool and allocator serve the loads."""
@@ -121,7 +162,7 @@ class HostPrefixCache(RadixCache):
         """The longest cached page-aligned prefix, reported as a host hit: no device indices; the
         matched node is where :meth:`init_load_back` starts (SGLang locks it through the prefill)."""
         if params.req is not None:  # a new match supersedes the request's earlier load-back
-            self._offers.pop(id(params.req), None)
+            self.loans.withdraw(params.req)
         found = super().match_prefix(params)
         hit = int(found.device_indices.numel())
         if hit == 0:
@@ -165,29 +206,15 @@ class HostPrefixCache(RadixCache):
         self.loaded_tokens += hit
         if req is not None:
             self._pending.add(req, ids)
-            self._offer(req, host_rows)
+            self.loans.offer(req, host_rows)
         return ids.to(torch.int64), node
-
-    def _offer(self, req: Any, host_rows: torch.Tensor) -> None:
-        """Keep the prefix's host rows for the request's staging; drop offers of requests gone."""
-        for key in [key for key, (ref, _) in self._offers.items() if ref() is None]:
-            del self._offers[key]
-        self._offers[id(req)] = (weakref.ref(req), host_rows)
 
     def lend_rows(self, req: Any) -> Optional[torch.Tensor]:
         """At staging (the coordinator's call, after the request's last prefill chunk): the tree's
         host rows of the prefix loaded for ``req`` (positions ``0..L-1``, CPU int64, whole pages),
         lent to its slot until :meth:`cache_finished_req`; None when its prefill loaded none. Side
-        effects: the offer taken, the loan recorded by slot (any earlier record of the slot
-        replaced)."""
-        self._lent.pop(req.req_pool_idx, None)
-        offer = self._offers.pop(id(req), None)
-        if offer is None or offer[0]() is not req:
-            return None
-        rows = offer[1]
-        self._lent[req.req_pool_idx] = int(rows.numel())
-        self.lent_tokens += int(rows.numel())
-        return rows
+        effects and error: :meth:`PrefixLoans.lend`."""
+        return self.loans.lend(req)
 
     def _path_ids(self, node: Any) -> torch.Tensor:
         """The ids of every token from the root to ``node``, in order."""
@@ -213,8 +240,7 @@ class HostPrefixCache(RadixCache):
         ids and rows of the part the tree lacked, free the rest (module docstring); unlock."""
         allocator = self.token_to_kv_pool_allocator
         self._pending.consumed(req)
-        self._offers.pop(id(req), None)
-        lent = self._lent.pop(req.req_pool_idx, 0)
+        lent = self.loans.end(req)
         handed = self._handed.pop(req.req_pool_idx, None)
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
@@ -265,13 +291,11 @@ class HostPrefixCache(RadixCache):
         """Empty the tree (``/flush_cache``, only when idle): every host row it holds is freed.
         The ids go back with SGLang's ``allocator.clear()``, which follows."""
         if self.host_rows_of is not None:
-            if self._lent:  # SGLang resets only when idle: every loan has ended
-                raise AssertionError(f"sglang-hisparse: the prefix cache was reset with host rows lent to slots {sorted(self._lent)}")
+            self.loans.clear()
             held = self.host_rows_of[self.host_rows_of >= 0]
             if held.numel():
                 self.coordinator.mirror.pool.free(held)
             self.host_rows_of.fill_(-1)
-            self._offers.clear()
             if self.coordinator is not None:
                 self.coordinator.stats.note_activity()  # the next idle report shows the pools back
         super().reset()
