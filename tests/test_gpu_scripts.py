@@ -785,6 +785,95 @@ def test_v4_probe_main_records_the_concurrent_plan_when_no_server_starts(tmp_pat
     assert "--cuda-graph-bs" in report["server_flags"] and "--disable-overlap-schedule" in report["server_flags"]
 
 
+# --- v4_probe's throughput phase (issue 42: one paired point under pressure) -------------------------
+class _FakeThroughputServer:
+    """A stand-in with what the throughput phase uses: a batched /generate that logs a prefill line
+    and one decode line per token at this server's rate (tokens/s), ours' idle line after it;
+    ``busy`` catches two servers measured at once."""
+
+    busy: list = []
+    order: list = []
+
+    def __init__(self, name: str, rate: float, idle: bool):
+        from types import SimpleNamespace
+
+        self.name, self.rate, self.idle = name, rate, idle
+        self.lines, self.args = ["server up"], ["--fake", name]
+        self.process = SimpleNamespace(poll=lambda: None, returncode=None)
+
+    def generate(self, batch, new_tokens, timeout=None):
+        assert not self.busy, f"{self.name} measured while {self.busy} ran"
+        self.busy.append(self.name)
+        self.order.append(self.name)
+        time.sleep(0.01)
+        self.lines.append(_prefill(sum(len(p) for p in batch)))
+        self.lines += [_decode(len(batch), self.rate)] * new_tokens
+        if self.idle:
+            self.lines.append("sglang-hisparse idle (DeepSeek-V4 C4): token_free=8/8 swa_free=4/4 c4_rows_free=2/2 "
+                              "c4_host_free=4/4 leak=no selected=100 misses=25 miss_rate=0.25")
+        self.busy.clear()
+        return [{"output_ids": list(range(new_tokens))} for _ in batch]
+
+    def settle(self, timeout=60):
+        pass
+
+    def log(self):
+        return "\n".join(self.lines) + "\n"
+
+    def stop(self):
+        from types import SimpleNamespace
+
+        self.process = SimpleNamespace(poll=lambda: 0, returncode=0)
+
+
+def test_v4_probe_throughput_phase_measures_servers_one_at_a_time_and_compares_them(tmp_path, monkeypatch):
+    """--throughput: SGLang's overlap scheduler and capture sizes up to N, ours without the staging
+    wait; every server up first, then measured in turn, rounds alternating; decode tok/s from the
+    step lines, ours' misses and pools from its idle line; the ratios between servers."""
+    import v4_probe
+
+    args = v4_probe.parse_args(["--impls", "none,ours,upstream", "--throughput", "16"])
+    flags = v4_probe.server_flags(args)
+    assert flags[flags.index("--cuda-graph-max-bs") + 1] == "16" and "--disable-cuda-graph" not in flags
+    assert "--disable-overlap-schedule" not in flags and flags[flags.index("--max-running-requests") + 1] == "17"
+    assert flags[flags.index("--decode-log-interval") + 1] == "1"
+    assert "wait_for_staging" not in json.loads(v4_probe.hisparse_config("ours", args))
+    assert [v4_probe.max_total_tokens(i, args) for i in ("none", "ours", "upstream@4096")] == [131072] * 3
+    equal_rows = v4_probe.parse_args(["--throughput", "16", "--hisparse-max-total-tokens", "262144"])
+    assert [v4_probe.max_total_tokens(i, equal_rows) for i in ("none", "ours", "upstream")] == [131072, 262144, 262144]
+    for bad in (["--throughput", "4", "--concurrent", "4"], ["--throughput", "2", "--throughput-context", "16380"],
+                ["--throughput", "2", "--throughput-repeats", "0"], ["--throughput", "2", "--throughput-new-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            v4_probe.parse_args(bad)
+
+    rates = {"v4_none": 100.0, "v4_ours": 150.0, "v4_upstream": 120.0}
+    monkeypatch.setattr(v4_probe, "LOG_DIR", tmp_path / "logs")
+    totals = {}
+
+    def start(**kw):
+        totals[kw["name"]] = kw["max_total_tokens"]
+        return _FakeThroughputServer(kw["name"], rates[kw["name"]], idle=kw["name"] == "v4_ours")
+
+    monkeypatch.setattr(v4_probe, "start_server", start)
+    monkeypatch.setattr(v4_probe, "device_info", lambda: {"nvidia_smi": "none"})
+    _FakeThroughputServer.order.clear()
+    out = tmp_path / "t.json"
+    assert v4_probe.main(["--impls", "none,ours,upstream", "--throughput", "4", "--throughput-context", "100",
+                          "--throughput-new-tokens", "5", "--throughput-repeats", "2", "--hisparse-max-total-tokens",
+                          "262144", "--out", str(out)]) == 0
+    assert totals == {"v4_none": 131072, "v4_ours": 262144, "v4_upstream": 262144}
+    assert _FakeThroughputServer.order == ["v4_none", "v4_ours", "v4_upstream"] * 2
+    report = json.loads(out.read_text())
+    assert report["throughput"] == {"n": 4, "context": 100, "new_tokens": 5, "repeats": 2}
+    ours = report["impls"]["ours"]["throughput"]["summary"]
+    assert ours["measured"] == 2 and ours["decode_tok_s"] == pytest.approx(150.0) and ours["held"] == 4
+    assert ours["miss_rate"] == pytest.approx(0.25) and ours["pools_back_to_initial"] is True
+    assert report["impls"]["none"]["throughput"]["summary"]["miss_rate"] is None
+    assert report["compare_throughput"]["ours/none"] == pytest.approx(1.5)
+    assert report["compare_throughput"]["ours/upstream"] == pytest.approx(1.25)
+    assert all(r["exit_code"] == 0 for r in report["impls"].values())
+
+
 # --- prefix_bench: the prefix-reuse driver (issue 43), without servers ------------------------------
 def test_prefix_bench_arguments_flags_and_launch(monkeypatch):
     import prefix_bench as pb

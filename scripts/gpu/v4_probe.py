@@ -55,6 +55,20 @@ batch shapes, so a token-identical comparison needs the same decode numerics on 
   sizes and decode batch runs, ``--decode-log-interval 1``), its decode trace and its retractions,
   so a difference can be told from a schedule effect.
 
+Throughput phase (``--throughput N``, instead of the other phases; issue 42's paired point under
+pressure): every server starts side by side, then each in turn (the others idle, so no GPU work is
+shared) serves N prompts of ``--throughput-context`` tokens in one batched call with
+``--throughput-new-tokens`` greedy tokens, ``--throughput-repeats`` rounds over the servers; decode
+tokens/s, TPOT and the most requests decoding at once come from the call's step lines
+(``decode_log.decode_stats``), ours' misses and pools from its idle line; ``compare_throughput``
+gives every ratio (``ours/none``, ``ours/upstream``). The servers run as a user's would: SGLang's
+overlap scheduler, decode CUDA graphs up to N, ours without ``wait_for_staging`` (the torch top-k
+environment stays, the same on every server). ``--hisparse-max-total-tokens`` sizes the HiSparse
+servers' pools (equal C4 device rows: ratio x ``--max-total-tokens``).
+
+    python scripts/gpu/v4_probe.py --impls none,ours,upstream --throughput 24 --throughput-context 12000 \\
+        --hisparse-max-total-tokens 262144 --hisparse-config '{"top_k": 512, "device_buffer_size": 2048, "host_to_device_ratio": 2}'
+
 Pools: ours logs ``sglang-hisparse idle (DeepSeek-V4 C4): ... leak=no`` once per busy -> idle
 transition; after the concurrent phase the probe waits for that line and records whether every
 pool (token ids, SWA, C4 device rows, C4 host rows) is back at its initial count.
@@ -66,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import random
 import re
@@ -77,6 +92,7 @@ import traceback
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -85,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_hisparse.serving.launcher import MODELS_DIR, parse_idle_reports, start_server  # noqa: E402
 
 import e2e  # noqa: E402  (the graph-mode syntax and output digests of the DSA exactness runs)
-from decode_log import Batch, decode_trace, parse_batches  # noqa: E402
+from decode_log import Batch, decode_stats, decode_trace, parse_batches  # noqa: E402
 
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs")) / "v4probe"  # packed by scripts/gpu/run.sh
 IMPLS = ("none", "upstream", "ours")
@@ -199,6 +215,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="seed of the random prompts")
     p.add_argument("--hisparse-config", default=DEFAULT_HISPARSE, help="--hisparse-config of upstream and ours")
     p.add_argument("--max-total-tokens", type=int, default=131072)
+    p.add_argument("--hisparse-max-total-tokens", type=int, default=0, metavar="M",
+                   help="--max-total-tokens of the HiSparse servers (default: --max-total-tokens). With V4 a "
+                        "HiSparse server keeps 1/host_to_device_ratio of its C4 entries on the device: "
+                        "M = ratio x --max-total-tokens gives it the C4 device rows of the server without "
+                        "HiSparse (its SWA, C128 and indexer pools grow with M; the pool lines record them)")
     p.add_argument("--max-running", type=int, default=8)
     p.add_argument("--graph", action="store_true", help="decode CUDA graphs (off by default: --disable-cuda-graph)")
     p.add_argument("--extra-env", action="append", default=[], metavar="K=V", help="more server environment")
@@ -229,6 +250,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--overlap", action="store_true",
                    help="keep SGLang's overlap scheduler and ours without wait_for_staging (default with --concurrent: "
                         "every server --disable-overlap-schedule, ours \"wait_for_staging\": true)")
+    t = p.add_argument_group("throughput phase (off by default; instead of the other phases)")
+    t.add_argument("--throughput", type=int, default=0, metavar="N",
+                   help="once every server is up: N requests of --throughput-context tokens in one batched call "
+                        "on each server in turn (the others idle), --throughput-repeats rounds; decode tok/s "
+                        "from the servers' step lines (decode_log.py); SGLang's overlap scheduler, decode CUDA "
+                        "graphs up to N, ours without wait_for_staging")
+    t.add_argument("--throughput-context", type=int, default=12000, metavar="L", help="prompt tokens per request")
+    t.add_argument("--throughput-new-tokens", type=int, default=128, metavar="T", help="greedy tokens per request")
+    t.add_argument("--throughput-repeats", type=int, default=2, help="rounds over the servers (paired, alternating)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "v4probe.json"))
     args = p.parse_args(argv)
     args.impl_list = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -258,7 +288,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     config = model_config(args.model)
     args.context = config.get("max_position_embeddings") if config else None
     _check_concurrent(p, args)
+    _check_throughput(p, args)
     return args
+
+
+def _check_throughput(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.throughput:
+        return
+    if args.throughput < 0 or args.throughput_repeats < 1 or args.throughput_new_tokens < 1 \
+            or args.hisparse_max_total_tokens < 0:
+        p.error("--throughput, --throughput-repeats and --throughput-new-tokens must be positive")
+    if args.concurrent:
+        p.error("--throughput replaces the other phases: leave out --concurrent")
+    end = args.throughput_context + args.throughput_new_tokens
+    if args.throughput_context < 1 or (args.context is not None and end > args.context):
+        p.error(f"--throughput-context {args.throughput_context} + --throughput-new-tokens "
+                f"{args.throughput_new_tokens} must be within the model's context ({args.context})")
 
 
 def _check_concurrent(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -311,11 +356,15 @@ def holds_shapes(args: argparse.Namespace) -> bool:
 def max_running(args: argparse.Namespace) -> int:
     """--max-running-requests: with --concurrent N at least N + 1 (SGLang 0.5.17 without HiSparse
     decodes at most max-running-requests - 1 together; tests/test_sglang_admission.py)."""
-    return max(args.max_running, args.concurrent + 1) if args.concurrent else args.max_running
+    n = args.concurrent or args.throughput
+    return max(args.max_running, n + 1) if n else args.max_running
 
 
 def graph_flags(args: argparse.Namespace) -> list[str]:
-    """CUDA-graph flags: --graph / --disable-cuda-graph, or with --concurrent its graph mode."""
+    """CUDA-graph flags: --graph / --disable-cuda-graph, or with --concurrent its graph mode; with
+    --throughput SGLang's capture sizes up to N (as a user's server decodes)."""
+    if args.throughput:
+        return ["--cuda-graph-max-bs", str(min(max(args.throughput, 8), 128)), "--cuda-graph-backend-prefill", "disabled"]
     if not args.concurrent:
         return [] if args.graph else ["--disable-cuda-graph"]
     graph, graph_bs = e2e.parse_graph(args.concurrent_graph)
@@ -331,7 +380,7 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--grammar-backend", "none", "--max-running-requests", str(max_running(args)),
              "--mem-fraction-static", "0.35",
              # every step with --concurrent: its schedule and decode trace come from these lines
-             "--decode-log-interval", "1" if args.concurrent else "8",
+             "--decode-log-interval", "1" if args.concurrent or args.throughput else "8",
              # SGLang sizes the SWA pool at 10% of the full pool by default (13056 tokens with
              # --max-total-tokens 131072): a longer prompt waited for SWA room forever, with and without
              # HiSparse (docs/results/gpu_v4probe4); 0.2 leaves room for tiny-dsv4's 16384-token context
@@ -641,23 +690,57 @@ def interesting_lines(log: str, pattern: re.Pattern = POOL_LINE, limit: int = 60
     return lines[:limit]
 
 
+def start_impl(impl: str, args: argparse.Namespace, deadline: float) -> tuple[dict, Any]:
+    """Start ``impl``'s server within what is left of the budget: its row (env, config, start time,
+    command; ``error`` when it did not start) and the server (None when it did not start)."""
+    row: dict = {"impl": impl, "env": server_env(impl, args), "started": False,
+                 "hisparse_config": hisparse_config(impl, args)}
+    ready_timeout = max(30.0, min(args.ready_timeout, deadline - time.time() - 45))
+    row["max_total_tokens"] = max_total_tokens(impl, args)
+    t0 = time.time()
+    try:
+        server = start_server(model=args.model, hisparse_config=row["hisparse_config"], extra_args=server_flags(args),
+                              env=row["env"], log_dir=LOG_DIR, cpu=False, name=log_name(impl),
+                              max_total_tokens=row["max_total_tokens"], ready_timeout=ready_timeout)
+    except Exception as e:  # noqa: BLE001 - a server that does not start is a result
+        row["error"] = f"{type(e).__name__}: {e}"
+        row["start_s"] = round(time.time() - t0, 1)
+        print(f"[v4probe] {impl}: FAILED after {row['start_s']} s: {str(e)[:4000]}", flush=True)
+        if not isinstance(e, (RuntimeError, TimeoutError)):
+            row["traceback"] = traceback.format_exc()
+        return row, None
+    row.update(started=True, start_s=round(time.time() - t0, 1), command=server.args)
+    print(f"[v4probe] {impl}: server up in {row['start_s']} s", flush=True)
+    return row, server
+
+
+def max_total_tokens(impl: str, args: argparse.Namespace) -> int:
+    """The server's --max-total-tokens: --hisparse-max-total-tokens (when given) for upstream and ours."""
+    hisparse = parse_impl(impl)[0] != "none"
+    return args.hisparse_max_total_tokens if hisparse and args.hisparse_max_total_tokens else args.max_total_tokens
+
+
+def stop_impl(row: dict, server: Any) -> None:
+    """Stop the server (if it started) and add what its log shows to ``row``."""
+    if server is not None:
+        row["alive_at_stop"] = server.process.poll() is None
+        server.stop()
+        row["exit_code"] = server.process.returncode
+    log_path = LOG_DIR / f"{log_name(row['impl'])}.log"
+    log = log_path.read_text(errors="replace") if log_path.exists() else ""
+    row["log_lines"] = len(log.splitlines())
+    row["pool_lines"] = interesting_lines(log)
+    row["idle_lines"] = [ln[:400] for ln in log.splitlines() if "sglang-hisparse idle" in ln][-40:]
+    row["error_lines"] = interesting_lines(log, ERROR_LINE, limit=40)
+    row["log_tail"] = [ln[:400] for ln in log.splitlines()[-60:]]
+
+
 def run_impl(impl: str, args: argparse.Namespace, inputs: list[list[int]], deadline: float,
              concurrent_inputs: list[list[int]] | None = None, plan: dict | None = None) -> dict:
-    row: dict = {"impl": impl, "env": server_env(impl, args), "started": False}
-    hisparse = hisparse_config(impl, args)
-    row["hisparse_config"] = hisparse
-    name = log_name(impl)
-    ready_timeout = max(30.0, min(args.ready_timeout, deadline - time.time() - 45))
-    t0 = time.time()
-    server = None
+    row, server = start_impl(impl, args, deadline)
     try:
-        server = start_server(model=args.model, hisparse_config=hisparse, extra_args=server_flags(args),
-                              env=row["env"], log_dir=LOG_DIR, cpu=False, name=name,
-                              max_total_tokens=args.max_total_tokens, ready_timeout=ready_timeout)
-        row["started"] = True
-        row["start_s"] = round(time.time() - t0, 1)
-        row["command"] = server.args
-        print(f"[v4probe] {impl}: server up in {row['start_s']} s", flush=True)
+        if server is None:
+            return row
         row["requests"] = []
         for n, ids in zip([] if args.concurrent_only else args.length_list, inputs):
             if time.time() > deadline - 20:
@@ -677,26 +760,100 @@ def run_impl(impl: str, args: argparse.Namespace, inputs: list[list[int]], deadl
                 row["concurrent"] = {"error": "skipped: probe budget spent"}
             else:
                 row["concurrent"] = run_concurrent(server, impl, args, plan, concurrent_inputs, deadline)
-    except Exception as e:  # noqa: BLE001 - a server that does not start is a result
+    except Exception as e:  # noqa: BLE001 - recorded
         row["error"] = f"{type(e).__name__}: {e}"
-        row["start_s"] = round(time.time() - t0, 1)
-        print(f"[v4probe] {impl}: FAILED after {row['start_s']} s: {str(e)[:4000]}", flush=True)
-        if not isinstance(e, (RuntimeError, TimeoutError)):
-            row["traceback"] = traceback.format_exc()
+        row["traceback"] = traceback.format_exc()
     finally:
-        if server is not None:
-            alive_before_stop = server.process.poll() is None
-            server.stop()
-            row["exit_code"] = server.process.returncode
-            row["alive_at_stop"] = alive_before_stop
-        log_path = LOG_DIR / f"{name}.log"
-        log = log_path.read_text(errors="replace") if log_path.exists() else ""
-        row["log_lines"] = len(log.splitlines())
-        row["pool_lines"] = interesting_lines(log)
-        row["idle_lines"] = [ln[:400] for ln in log.splitlines() if "sglang-hisparse idle" in ln][-40:]
-        row["error_lines"] = interesting_lines(log, ERROR_LINE, limit=40)
-        row["log_tail"] = [ln[:400] for ln in log.splitlines()[-60:]]
+        stop_impl(row, server)
     return row
+
+
+# --- throughput phase ------------------------------------------------------------------------------
+def measure_throughput(server: Any, impl: str, batch: list[list[int]], new_tokens: int, timeout: float) -> dict:
+    """One batched call of ``batch`` on ``server``: wall time, output tokens, decode tok/s, TPOT and
+    most requests decoding at once from the step lines of this call (decode_log.py); for ours, its
+    idle report after the call (misses, pools). A failed call is recorded as ``error``."""
+    ours = parse_impl(impl)[0] == "ours"
+    reports = len(idle_reports(server.log()))
+    mark = len(server.log())
+    t0 = time.time()
+    try:
+        outs = server.generate(batch, new_tokens, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - recorded
+        return {"error": repr(e), "wall_s": round(time.time() - t0, 2)}
+    run: dict = {"wall_s": round(time.time() - t0, 2),
+                 "output_tokens": sum(len(o.get("output_ids") or []) for o in outs)}
+    report = wait_for_idle(server, reports, timeout=60) if ours else None
+    if not ours:
+        server.settle(timeout=60)
+    try:
+        run.update(decode_stats(parse_batches(server.log()[mark:])))
+    except ValueError as e:
+        run["error"] = str(e)
+    if report is not None:
+        run["miss_rate"] = report["misses"] / report["selected"] if report["selected"] else None
+        run["pools_back_to_initial"] = pools_back(report)
+    return run
+
+
+def summarize_throughput(runs: list[dict]) -> dict:
+    """Medians over a server's measured runs (those without an error)."""
+    good = [r for r in runs if "decode_tok_s" in r]
+    if not good:
+        return {"runs": len(runs), "measured": 0}
+    rates = sorted(r["decode_tok_s"] for r in good)
+    misses = [r["miss_rate"] for r in good if r.get("miss_rate") is not None]
+    return {"runs": len(runs), "measured": len(good), "decode_tok_s": statistics.median(rates),
+            "decode_tok_s_spread": [rates[0], rates[-1]], "tpot_ms": statistics.median(r["tpot_ms"] for r in good),
+            "held": max(r["max_running"] for r in good), "wall_s": statistics.median(r["wall_s"] for r in good),
+            "miss_rate": statistics.median(misses) if misses else None,
+            "pools_back_to_initial": all(r.get("pools_back_to_initial", True) for r in good)}
+
+
+def compare_throughput(impls: dict) -> dict:
+    """Each server's decode tok/s over every other's (medians of the rounds), e.g. ``ours/none``."""
+    rates = {name: row["throughput"]["summary"].get("decode_tok_s") for name, row in impls.items()
+             if row.get("throughput")}
+    return {f"{a}/{b}": rates[a] / rates[b] for a in rates for b in rates
+            if a != b and rates[a] and rates[b]}
+
+
+def run_throughput(args: argparse.Namespace, inputs: list[list[int]], deadline: float,
+                   report: dict, write: Callable[[], None]) -> None:
+    """Start every server side by side, then measure them one at a time, round after round (the
+    others idle: no GPU work shared), then stop them all. Rows into ``report["impls"]``."""
+    started: dict[str, tuple[dict, Any]] = {}
+    threads = [threading.Thread(target=lambda i=impl: started.__setitem__(i, start_impl(i, args, deadline)))
+               for impl in args.impl_list]
+    for thread in threads:
+        thread.start()
+        time.sleep(2)  # distinct ports and process start order
+    for thread in threads:
+        thread.join()
+    live = [impl for impl in args.impl_list if started[impl][1] is not None]
+    for impl in live:
+        started[impl][0]["throughput"] = {"runs": []}
+    try:
+        for round_ in range(args.throughput_repeats):
+            for impl in live:
+                row, server = started[impl]
+                if time.time() > deadline - 30:
+                    row["throughput"]["runs"].append({"error": "skipped: probe budget spent"})
+                    continue
+                run = measure_throughput(server, impl, inputs, args.throughput_new_tokens,
+                                         timeout=min(args.request_timeout, deadline - time.time()))
+                run["round"] = round_
+                row["throughput"]["runs"].append(run)
+                print(f"[v4probe] {impl} throughput round {round_}: {json.dumps(run)[:300]}", flush=True)
+    finally:
+        for impl in args.impl_list:
+            row, server = started[impl]
+            stop_impl(row, server)
+            if "throughput" in row:
+                row["throughput"]["summary"] = summarize_throughput(row["throughput"]["runs"])
+            report["impls"][impl] = row
+        report["compare_throughput"] = compare_throughput(report["impls"])
+        write()
 
 
 def device_info() -> dict:
@@ -745,10 +902,15 @@ def main(argv: list[str] | None = None) -> int:
         "model_config": config, "lengths": [] if args.concurrent_only else args.length_list,
         "new_tokens": args.new_tokens, "seed": args.seed,
         "server_flags": server_flags(args), "max_total_tokens": args.max_total_tokens,
+        "hisparse_max_total_tokens": args.hisparse_max_total_tokens or args.max_total_tokens,
         "device": device_info(), "impls": {},
     }
     if plan:
         report["concurrent"] = plan
+    if args.throughput:
+        report["lengths"] = []
+        report["throughput"] = {"n": args.throughput, "context": args.throughput_context,
+                                "new_tokens": args.throughput_new_tokens, "repeats": args.throughput_repeats}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -758,6 +920,15 @@ def main(argv: list[str] | None = None) -> int:
             report["compare_concurrent"] = compare_concurrent(report["impls"])
         report["wall_s"] = round(time.time() - t_start, 1)
         out.write_text(json.dumps(report, indent=1))
+
+    if args.throughput:
+        batch = prompts([args.throughput_context] * args.throughput, int(config["vocab_size"]), args.seed + 200)
+        run_throughput(args, batch, deadline, report, write)
+        summary = {name: row.get("throughput", {}).get("summary", {"error": row.get("error")})
+                   for name, row in report["impls"].items()}
+        print(f"[v4probe] throughput: {json.dumps(summary)[:2000]}", flush=True)
+        print(f"[v4probe] compare_throughput: {json.dumps(report['compare_throughput'])}", flush=True)
+        return 0 if all(s.get("measured") == args.throughput_repeats for s in summary.values()) else 1
 
     lock = threading.Lock()
 
