@@ -175,7 +175,8 @@ class ResolveStats:
         pools = " ".join(f"{name}={value}/{self.initial[name]}" for name, value in counts.items())
         if self.prefix_cache is not None:
             pools += (f" cached={cached} loaded={self.prefix_cache.loaded_tokens} "
-                      f"lent={self.prefix_cache.loans.lent_tokens} evicted={self.prefix_cache.evicted_tokens}")
+                      f"lent={self.prefix_cache.loans.lent_tokens} shared={self.prefix_cache.shared_tokens} "
+                      f"evicted={self.prefix_cache.evicted_tokens}")
         line = (
             f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
             f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"

@@ -135,6 +135,7 @@ def check_multi_turn_and_shared_prefix(base, ours) -> None:
     report = wait_for_idle_report(ours, after=before)
     assert not report["leak"] and report["cached"] > 0, report
     assert 0 < report["lent"] <= report["loaded"], report  # matched prefixes' host rows borrowed, not copied again
+    assert report["shared"] > 0, report  # running requests' prompts went into the tree as they started decoding
 
     before = settle(ours)
     flush(ours)
@@ -143,6 +144,43 @@ def check_multi_turn_and_shared_prefix(base, ours) -> None:
     assert report["cached"] == 0 and not report["leak"], report
     for name, (now, initial) in report["counts"].items():
         assert now == initial, (name, now, initial)
+
+
+def while_one_decodes(server, seed: int) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """One request with a long system prompt decodes 160 tokens; once it has decoded (a decode
+    line after its start), five requests sharing its system prompt come in one batch. Returns the
+    first one's output and the five's outputs and cached tokens."""
+    import threading
+    import time
+
+    rng = random.Random(seed)
+    system = [rng.randrange(2, 2000) for _ in range(1300)]
+    users = [[rng.randrange(2, 2000) for _ in range(n)] for n in (90, 30, 250, 64, 170, 120)]
+    first: dict = {}
+    decode_lines = server.log().count("Decode batch")
+    thread = threading.Thread(target=lambda: first.update(out=server.generate(system + users[0], 160)))
+    thread.start()
+    deadline = time.time() + 300
+    while server.log().count("Decode batch") <= decode_lines + 2 and time.time() < deadline:
+        time.sleep(0.2)
+    rest = run(server, [system + u for u in users[1:]])
+    thread.join(timeout=900)
+    return first["out"]["output_ids"], rest
+
+
+def test_a_running_requests_prompt_serves_requests_that_arrive_while_it_decodes(servers):
+    """A running request's prompt is in the tree once it decodes (``share_running``): requests
+    sharing its system prompt load it instead of prefilling it, as SGLang's radix cache serves
+    them from the running request; outputs and cached tokens as the baseline's."""
+    base, ours = servers["base"], servers["default"]
+    base_first, base_rest = while_one_decodes(base, 7)
+    before = settle(ours)
+    ours_first, ours_rest = while_one_decodes(ours, 7)
+    assert ours_first == base_first
+    assert_same(ours_rest, base_rest)
+    assert all(c >= 1280 for _, c in ours_rest), "the running request's page-aligned system prompt came from the tree"
+    report = wait_for_idle_report(ours, after=before)
+    assert not report["leak"] and report["shared"] > 0 and report["lent"] >= 5 * 1280, report
 
 
 # --- pressure: the cache must give way ---------------------------------------------------------

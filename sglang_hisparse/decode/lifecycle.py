@@ -105,6 +105,8 @@ class RequestLifecycle:
                 self._log_waiting(req)
                 break
             self.mirror.pop_staged()
+            if self.prefix_cache is not None:
+                self.prefix_cache.share_running(req)
             ready.append(req)
         if ready:
             self._waiting_since = None

@@ -54,6 +54,16 @@ class RequestRowRecord:
         self._borrowed_of[req_pool_idx] = count
         return count
 
+    def give_up_leading_rows(self, req_pool_idx: int, count: int) -> None:
+        """The slot's rows of positions ``0..count-1`` now belong to another owner (the radix tree
+        took a running request's prefix) and are borrowed from it: the borrowed count grows to
+        ``count`` (whole pages, within the allocated end; AssertionError otherwise). No row moves."""
+        allocated = sum(int(chunk.numel()) for chunk in self._rows_of.get(req_pool_idx, []))
+        if count % self.page_size or not self.borrowed_count(req_pool_idx) <= count <= allocated:
+            raise AssertionError(f"slot {req_pool_idx}: cannot give up {count} leading host rows "
+                                 f"({self.borrowed_count(req_pool_idx)} borrowed, {allocated} held)")
+        self._borrowed_of[req_pool_idx] = count
+
     def borrowed_count(self, req_pool_idx: int) -> int:
         """How many leading rows of a slot are borrowed (0 for none). No side effects."""
         return self._borrowed_of.get(req_pool_idx, 0)

@@ -22,8 +22,9 @@ order) and changes what a node's ids carry and how a match is served:
   tokens, adopts the ids and host rows of the part the tree did not have, and frees everything
   else the request held: the ids of its loaded prefix copy, its duplicates, its unaligned tail
   (never the rows the tree lent it).
-* **a running request's prefix is not shared** (:meth:`cache_unfinished_req` inserts nothing):
-  it becomes reusable when the request finishes.
+* **a running request's prompt is shared** once it reached host rows (:meth:`share_running`, when
+  the request enters decode): the tree takes those host rows under ids of its own and lends them
+  back; :meth:`cache_unfinished_req` inserts nothing (a prefill chunk's KV is not on the host yet).
 * **eviction** (SGLang's, by its policy) frees a leaf's host rows here and its ids through the
   allocator; :meth:`reset` (``/flush_cache``, idle only) frees every host row the tree holds.
 * **room**: :meth:`evictable_size` is what evicting would add to the allocator's room (logical
@@ -48,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackParams, InsertParams, MatchPrefixParams,
+                                                     MatchResult)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,15 @@ class PrefixLoans:
         self.lent_tokens += int(offer[1].numel())
         return offer[1]
 
+    def extend(self, req_pool_idx: int, count: int) -> None:
+        """The slot's loan now covers its first ``count`` rows (the tree took the rest of them from
+        the running request: :meth:`HostPrefixCache.share_running`)."""
+        self._lent[req_pool_idx] = count
+
+    def lent_count(self, req_pool_idx: int) -> int:
+        """How many leading rows of the slot are lent (0 for none)."""
+        return self._lent.get(req_pool_idx, 0)
+
     def end(self, req: Any) -> int:
         """The request is done with the tree's rows: its offer and loan dropped; returns how many
         leading rows of its slot were lent (0 for none)."""
@@ -142,7 +153,8 @@ class HostPrefixCache(RadixCache):
         self.host_rows_of: Optional[torch.Tensor] = None  # RadixCache.__init__ calls reset()
         super().__init__(params)
         allocator = self.token_to_kv_pool_allocator
-        self.host_rows_of = torch.full((allocator.size_full + 1,), -1, dtype=torch.int64)
+        # logical ids run from page 1 to the last page's end: size_full + page_size - 1
+        self.host_rows_of = torch.full((allocator.size_full + self.page_size,), -1, dtype=torch.int64)
         """Host row of each tree-owned logical id (-1: none). CPU."""
         self._handed: dict[int, HandedOver] = {}
         self._pending = PendingLoads(self.token_to_kv_pool_allocator.free)
@@ -152,6 +164,8 @@ class HostPrefixCache(RadixCache):
         """Tokens served from the tree since start (loaded, not prefilled)."""
         self.evicted_tokens = 0
         """Tokens evicted since start (their ids and host rows freed)."""
+        self.shared_tokens = 0
+        """Tokens running requests shared since start (:meth:`share_running`)."""
 
     def attach(self, coordinator: Any) -> None:
         """The coordinator whose host mirror, device pool and allocator serve the loads."""
@@ -250,8 +264,6 @@ class HostPrefixCache(RadixCache):
         adopted_from = insert_len
         if insert_len:
             key = RadixKey(token_ids[:insert_len], req.extra_key, is_bigram=self.is_eagle)
-            from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
             result = self.insert(InsertParams(key=key, value=ids[:insert_len].clone(),
                                               priority=getattr(req, "priority", 0) or 0))
             adopted_from = result.prefix_len
@@ -268,6 +280,13 @@ class HostPrefixCache(RadixCache):
             self.coordinator.mirror.pool.free(torch.cat([rows[lent:adopted_from], rows[max(insert_len, lent):]]))
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
+
+    def share_running(self, req: Any) -> int:
+        """A running request whose prompt reached host rows shares it (``prefix/running_share.py``;
+        the coordinator's call when the request enters decode). Returns the tokens shared."""
+        from .running_share import share_running_prompt
+
+        return share_running_prompt(self, req)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
         """A running request's prefix is not shared: its ids stay its own (SGLang's chunk-cache
