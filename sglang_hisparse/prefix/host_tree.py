@@ -259,7 +259,7 @@ class HostPrefixCache(RadixCache):
         token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)].to(torch.int64)
         insert_len = 0
-        if is_insert and handed is not None:
+        if is_insert and handed is not None and not self.disable_finished_insert:  # SGLang's deterministic mode
             insert_len = min(len(token_ids), handed.complete) // self.page_size * self.page_size
         adopted_from = insert_len
         if insert_len:

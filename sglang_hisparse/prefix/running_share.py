@@ -23,11 +23,14 @@ def share_running_prompt(tree: Any, req: Any) -> int:
     ids on the device), whose host rows are the request's rows of those positions, now the
     tree's and lent back to it (its borrowed count and loan grow); its lock moves to the new
     node (SGLang unlocks ``req.last_node`` at its ``cache_finished_req``, which ends the loan).
-    Skipped (0) where the tree holds all of it already, holds other than what the request borrowed
-    (its rows would interleave with the tree's), or no ids are free. Returns the tokens shared.
+    Skipped (0) in SGLang's deterministic mode (``disable_finished_insert``), where the tree holds
+    all of it already, holds other than what the request borrowed (its rows would interleave with
+    the tree's), or no ids are free. Returns the tokens shared.
 
     Invariant kept: a tree-owned id has a host row and no device row; the request's own ids (with
     device rows) stay its own and are freed at its finish as before."""
+    if tree.disable_finished_insert:  # SGLang's deterministic mode inserts no request's tokens
+        return 0
     idx, pool = req.req_pool_idx, tree.coordinator.mirror.pool
     end = min(len(req.origin_input_ids), int(tree.coordinator.mirror.mirrored_len[idx]))
     end -= end % tree.page_size
