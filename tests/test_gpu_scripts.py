@@ -842,7 +842,8 @@ def test_v4_probe_throughput_phase_measures_servers_one_at_a_time_and_compares_t
     equal_rows = v4_probe.parse_args(["--throughput", "16", "--hisparse-max-total-tokens", "262144"])
     assert [v4_probe.max_total_tokens(i, equal_rows) for i in ("none", "ours", "upstream")] == [131072, 262144, 262144]
     for bad in (["--throughput", "4", "--concurrent", "4"], ["--throughput", "2", "--throughput-context", "16380"],
-                ["--throughput", "2", "--throughput-repeats", "0"], ["--throughput", "2", "--throughput-new-tokens", "0"]):
+                ["--throughput", "2", "--throughput-repeats", "0"], ["--throughput", "2", "--throughput-new-tokens", "0"],
+                ["--hisparse-max-total-tokens", "-1"]):
         with pytest.raises(SystemExit):
             v4_probe.parse_args(bad)
 

@@ -287,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--extra-env wants K=V, got {kv!r}")
     config = model_config(args.model)
     args.context = config.get("max_position_embeddings") if config else None
+    if args.hisparse_max_total_tokens < 0:
+        p.error("--hisparse-max-total-tokens must be >= 0 (0: the same as --max-total-tokens)")
     _check_concurrent(p, args)
     _check_throughput(p, args)
     return args
@@ -295,8 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _check_throughput(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.throughput:
         return
-    if args.throughput < 0 or args.throughput_repeats < 1 or args.throughput_new_tokens < 1 \
-            or args.hisparse_max_total_tokens < 0:
+    if args.throughput < 0 or args.throughput_repeats < 1 or args.throughput_new_tokens < 1:
         p.error("--throughput, --throughput-repeats and --throughput-new-tokens must be positive")
     if args.concurrent:
         p.error("--throughput replaces the other phases: leave out --concurrent")

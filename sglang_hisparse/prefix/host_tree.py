@@ -33,7 +33,7 @@ order) and changes what a node's ids carry and how a match is served:
 
 Owns: the tree (SGLang's structure) and ``host_rows_of`` (host row of each tree-owned id, -1
 for none) with the handed-over rows of finishing requests until SGLang's ``cache_finished_req``,
-and the loans of cached host rows to requests whose prefix was loaded (:class:`PrefixLoans`).
+and the loans of its host rows to running requests (:class:`PrefixLoans`).
 Not owned: the host rows' bytes and free list (the coordinator's host mirror), the ids' free list
 and device rows (the allocator).
 
@@ -81,9 +81,10 @@ class PendingLoads:
 
 
 class PrefixLoans:
-    """The tree's host rows of loaded prefixes, from load-back to the request's finish: offered at
-    load-back (by request), lent at staging (by request slot), ended by ``cache_finished_req``.
-    Owns both tables; the rows themselves stay the tree's (``host_rows_of``) throughout."""
+    """The tree's host rows in use by running requests, until each request's finish: a loaded
+    prefix's rows offered at load-back (by request) and lent at staging (by request slot); a
+    running request's shared prompt extends its slot's loan; ``cache_finished_req`` ends it. Owns
+    both tables; the rows themselves stay the tree's (``host_rows_of``) throughout."""
 
     def __init__(self):
         self._offers: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
@@ -118,10 +119,6 @@ class PrefixLoans:
         """The slot's loan now covers its first ``count`` rows (the tree took the rest of them from
         the running request: :meth:`HostPrefixCache.share_running`)."""
         self._lent[req_pool_idx] = count
-
-    def lent_count(self, req_pool_idx: int) -> int:
-        """How many leading rows of the slot are lent (0 for none)."""
-        return self._lent.get(req_pool_idx, 0)
 
     def end(self, req: Any) -> int:
         """The request is done with the tree's rows: its offer and loan dropped; returns how many
@@ -289,8 +286,9 @@ class HostPrefixCache(RadixCache):
         return share_running_prompt(self, req)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:
-        """A running request's prefix is not shared: its ids stay its own (SGLang's chunk-cache
-        behaviour: the next chunk continues from them)."""
+        """Inserts nothing: after a prefill chunk the KV is on the device only (a running request's
+        prompt is shared when it enters decode, :meth:`share_running`); its ids stay its own
+        (SGLang's chunk-cache behaviour: the next chunk continues from them)."""
         self._pending.consumed(req)
         ids = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.extend_range.end]
         req.prefix_indices = ids.to(dtype=torch.int64, copy=True)

@@ -25,7 +25,9 @@ def share_running_prompt(tree: Any, req: Any) -> int:
     node (SGLang unlocks ``req.last_node`` at its ``cache_finished_req``, which ends the loan).
     Skipped (0) in SGLang's deterministic mode (``disable_finished_insert``), where the tree holds
     all of it already, holds other than what the request borrowed (its rows would interleave with
-    the tree's), or no ids are free. Returns the tokens shared.
+    the tree's), or it would take more than half of the free logical ids (the running requests'
+    decode steps and admissions need them; a shared prompt holds its ids until its request ends).
+    Returns the tokens shared.
 
     Invariant kept: a tree-owned id has a host row and no device row; the request's own ids (with
     device rows) stay its own and are freed at its finish as before."""
@@ -40,6 +42,8 @@ def share_running_prompt(tree: Any, req: Any) -> int:
     if held >= end or held != pool.borrowed_count(idx):
         return 0
     allocator = tree.token_to_kv_pool_allocator
+    if 2 * (end - held) > allocator.decode_available_size():
+        return 0  # never more than half the free ids: running requests' decode steps need them
     with allocator.logical_only():
         new_ids = allocator.alloc(end - held)
     if new_ids is None:
