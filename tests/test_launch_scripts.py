@@ -272,3 +272,40 @@ def test_the_one_machine_pd_pair_moves_real_kv_at_tiny_scale(tmp_path):
         assert log.count("MC_FORCE_TCP is set, using TCP transport only") >= 2, "both engines on TCP"
     finally:
         pair.stop()
+
+
+def test_a_server_whose_port_was_taken_is_stopped_and_started_again_on_another(tmp_path, monkeypatch):
+    """SGLang's HTTP server that loses its port between ``free_port`` and its bind logs uvicorn's
+    "address already in use" and stays up without serving (a CI run waited 600 s for it):
+    ``run_server`` stops it at once with ``PortTaken``, ``start_server`` tries another port."""
+    from sglang_hisparse.serving import launcher
+
+    stays_up = ("import time; print('ERROR:    [Errno 98] error while attempting to bind on address "
+                "(127.0.0.1, 1): address already in use', flush=True); time.sleep(120)")
+    t0 = time.time()
+    with pytest.raises(launcher.PortTaken, match="taken"):
+        launcher.run_server([sys.executable, "-c", stays_up], port=launcher.free_port(), env=dict(os.environ),
+                            log_dir=tmp_path, name="taken", ready_timeout=60)
+    assert time.time() - t0 < 30
+
+    ports: list[int] = []
+
+    def taken_twice(args, *, port, **kwargs):
+        ports.append(port)
+        assert args[args.index("--port") + 1] == str(port)
+        if len(ports) < 3:
+            raise launcher.PortTaken("taken")
+        return "server"
+
+    monkeypatch.setattr(launcher, "run_server", taken_twice)
+    assert launcher.start_server(log_dir=tmp_path, cpu=True) == "server" and len(ports) == 3
+
+    def always_taken(args, *, port, **kwargs):
+        ports.append(port)
+        raise launcher.PortTaken("taken")
+
+    ports.clear()
+    monkeypatch.setattr(launcher, "run_server", always_taken)
+    with pytest.raises(launcher.PortTaken):
+        launcher.start_server(log_dir=tmp_path, cpu=True)
+    assert len(ports) == launcher.PORT_TRIES

@@ -166,6 +166,16 @@ def server_env(*, cpu: bool, extra: Optional[dict[str, str]] = None) -> dict[str
     return env
 
 
+PORT_TAKEN = "address already in use"
+"""What SGLang's HTTP server logs when its port was taken between ``free_port`` and its bind
+(uvicorn's ``[Errno 98]``); the process then stays up without serving."""
+PORT_TRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The server could not bind its port; it was stopped (``start_server`` tries another)."""
+
+
 def start_server(
     *,
     model: str = "tiny-dsa-cpu",
@@ -180,32 +190,42 @@ def start_server(
     radix_cache: bool = False,
 ) -> Server:
     """Launch a server and wait until /health answers (raises with the log tail if it dies).
-    ``radix_cache``: leave SGLang's radix cache on (prefix reuse); off by default."""
+    ``radix_cache``: leave SGLang's radix cache on (prefix reuse); off by default. A server whose
+    port was taken before it bound it is stopped and started again on another (``PORT_TRIES``
+    in all; the log of the last try is kept)."""
     cpu = (not has_cuda()) if cpu is None else cpu
-    port = free_port()
     model_path = Path(model) if os.path.isdir(model) else MODELS_DIR / model
-    args = [
-        sys.executable, "-m", "sglang.launch_server",
-        "--model-path", str(model_path), "--load-format", "dummy", "--skip-tokenizer-init",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
-    ]
-    if not radix_cache:
-        args.append("--disable-radix-cache")
-    if cpu:
-        args += ["--device", "cpu"]
-    if hisparse_config is not None:
-        args += ["--enable-hisparse", "--hisparse-config", hisparse_config]
-    args += list(extra_args or [])
-    return run_server(args, port=port, env=server_env(cpu=cpu, extra=env), log_dir=log_dir, name=name,
-                      ready_timeout=ready_timeout)
+    for attempt in range(1, PORT_TRIES + 1):
+        port = free_port()
+        args = [
+            sys.executable, "-m", "sglang.launch_server",
+            "--model-path", str(model_path), "--load-format", "dummy", "--skip-tokenizer-init",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--max-total-tokens", str(max_total_tokens), "--random-seed", "0",
+        ]
+        if not radix_cache:
+            args.append("--disable-radix-cache")
+        if cpu:
+            args += ["--device", "cpu"]
+        if hisparse_config is not None:
+            args += ["--enable-hisparse", "--hisparse-config", hisparse_config]
+        args += list(extra_args or [])
+        try:
+            return run_server(args, port=port, env=server_env(cpu=cpu, extra=env), log_dir=log_dir, name=name,
+                              ready_timeout=ready_timeout)
+        except PortTaken:
+            if attempt == PORT_TRIES:
+                raise
+            print(f"[launcher] {name}: port {port} was taken before the server bound it; trying another", flush=True)
+    raise AssertionError("unreachable")
 
 
 def run_server(command: list[str], *, port: int, env: dict[str, str], log_dir: Path, name: str = "server",
                ready_timeout: float = 600.0) -> Server:
     """Run ``command`` (a server that will listen on 127.0.0.1:``port``) in its own process group,
     its output in ``<log_dir>/<name>.log``, and wait until /health answers 200 (raises with the
-    log tail if the process exits or the time runs out)."""
+    log tail if the process exits or the time runs out; :class:`PortTaken`, the server stopped,
+    when its log says the port was taken)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
@@ -221,6 +241,9 @@ def run_server(command: list[str], *, port: int, env: dict[str, str], log_dir: P
                     return server
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
+        if PORT_TAKEN in server.log():
+            server.stop()
+            raise PortTaken(f"{name}: port {port} taken:\n" + "\n".join(server.log().splitlines()[-5:]))
         time.sleep(2)
     server.stop()
     raise TimeoutError(f"{name} not ready after {ready_timeout}s:\n" + "\n".join(server.log().splitlines()[-40:]))
