@@ -31,7 +31,10 @@
 #                         replaced by a stub that keeps xgrammar.structural_tag (pure Python; SGLang's
 #                         function-call parsers import it at start-up), so only --grammar-backend none
 #                         works with it; sglang/test except scripted_runtime (the scheduler imports
-#                         it); symbol tables of the unstripped shared libraries (strip --strip-unneeded).
+#                         it); symbol tables of the unstripped shared libraries (strip --strip-unneeded);
+#                         files not read at run time (tvm_ffi's libbacktrace sources, the dist-infos'
+#                         RECORD, compressed-tensors' Hadamard tables), for the growing working tree
+#                         (gpu-probe.md, "What a call carries").
 #
 # Needs .site/site.tar.xz (scripts/gpu/build_site.sh) for the CUTLASS de-duplication and the slim site.
 # Both archives use xz's x86 filter (BCJ) before LZMA2 (-9e, 256 MiB dictionary): ~10% smaller on
@@ -101,6 +104,10 @@ def __getattr__(name):
     raise ImportError(f"xgrammar.{name}: not in the V4-slim site (no native bindings); use --grammar-backend none")
 PY
   find "$S/sglang/test" -mindepth 1 -maxdepth 1 ! -name scripted_runtime ! -name __init__.py -exec rm -rf {} +
+  # not read at run time: tvm_ffi's libbacktrace sources, the installers' RECORD files,
+  # compressed-tensors' Hadamard tables (its quantization transforms; the models are dummy bf16)
+  rm -f "$S"/*.dist-info/RECORD "$S/compressed_tensors/transform/utils/hadamards.safetensors"
+  rm -rf "$S/tvm_ffi/3rdparty/libbacktrace"
   strip_libs "$S"
   tar -C "$S" -cf - . | $XZ > "$SLIM_DEST"
   ls -la "$SLIM_DEST"
