@@ -55,11 +55,11 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
     def write_back(self, device_pool, device_rows: torch.Tensor, host_rows: torch.Tensor) -> None:
         """Copy device rows to host rows, every layer, on the current stream. On CUDA the transfer
         kernel reads both index lists on the device: host rows given on the CPU are copied there
-        first (a synchronous copy of the index list)."""
+        first, on the same stream (non-blocking: the host does not wait for the device)."""
         if device_rows.numel() == 0:
             return
         if device_rows.is_cuda:
-            host_rows = host_rows.to(device_rows.device)
+            host_rows = host_rows.to(device_rows.device, non_blocking=True)
             self.backup_from_device_all_layer(device_pool, host_rows, device_rows, io_backend="kernel")
             return
         src, dst = device_rows.cpu(), host_rows.cpu()
@@ -69,13 +69,14 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
     def load_rows(self, device_pool, host_rows: torch.Tensor, device_rows: torch.Tensor, layer_id: Optional[int] = None) -> None:
         """Copy host rows into device rows for one layer, or every layer when ``layer_id`` is None,
         on the current stream. On CUDA, host rows given on the CPU (a prefix load-back's, from the
-        tree's CPU table) are copied to the device first: the transfer kernel takes device index
-        lists only."""
+        tree's CPU table) are copied to the device first, on the same stream and non-blocking (a
+        load-back runs while SGLang forms the next batch: a blocking copy would wait for the
+        forward in flight): the transfer kernel takes device index lists only."""
         if device_rows.numel() == 0:
             return
         layers = range(self.layer_num) if layer_id is None else [layer_id]
         if device_rows.is_cuda:
-            host_rows = host_rows.to(device_rows.device)
+            host_rows = host_rows.to(device_rows.device, non_blocking=True)
         for layer in layers:
             if device_rows.is_cuda:
                 self.load_to_device_per_layer(device_pool, host_rows, device_rows, layer, io_backend="kernel")
