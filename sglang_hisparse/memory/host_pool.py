@@ -77,11 +77,12 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
         layers = range(self.layer_num) if layer_id is None else [layer_id]
         if device_rows.is_cuda:
             host_rows = host_rows.to(device_rows.device, non_blocking=True)
-        for layer in layers:
-            if device_rows.is_cuda:
+            for layer in layers:
                 self.load_to_device_per_layer(device_pool, host_rows, device_rows, layer, io_backend="kernel")
-            else:
-                device_pool.kv_buffer[layer][device_rows.cpu()] = self.kv_buffer[layer][host_rows.cpu()]
+            return
+        src, dst = host_rows.cpu(), device_rows.cpu()
+        for layer in layers:
+            device_pool.kv_buffer[layer][dst] = self.kv_buffer[layer][src]
 
 
 def _block_inherited_hisparse_helpers(cls: type) -> list[str]:
