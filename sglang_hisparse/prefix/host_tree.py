@@ -53,6 +53,8 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackPar
                                                      MatchResult)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from .running_share import share_running_prompt
+
 logger = logging.getLogger(__name__)
 
 
@@ -281,8 +283,6 @@ class HostPrefixCache(RadixCache):
     def share_running(self, req: Any) -> int:
         """A running request whose prompt reached host rows shares it (``prefix/running_share.py``;
         the coordinator's call when the request enters decode). Returns the tokens shared."""
-        from .running_share import share_running_prompt
-
         return share_running_prompt(self, req)
 
     def cache_unfinished_req(self, req: Any, chunked: bool = False) -> None:

@@ -36,9 +36,11 @@ def share_running_prompt(tree: Any, req: Any) -> int:
     idx, pool = req.req_pool_idx, tree.coordinator.mirror.pool
     end = min(len(req.origin_input_ids), int(tree.coordinator.mirror.mirrored_len[idx]))
     end -= end % tree.page_size
+    if end == 0:
+        return 0
     key = RadixKey(req.origin_input_ids[:end], req.extra_key, is_bigram=tree.is_eagle)
-    found = RadixCache.match_prefix(tree, MatchPrefixParams(key=key)) if end else None
-    held = int(found.device_indices.numel()) if end else 0
+    found = RadixCache.match_prefix(tree, MatchPrefixParams(key=key))
+    held = int(found.device_indices.numel())
     if held >= end or held != pool.borrowed_count(idx):
         return 0
     allocator = tree.token_to_kv_pool_allocator
