@@ -1009,7 +1009,7 @@ def test_prefix_bench_exactness_compares_only_like_for_like_requests():
     assert (out["compared"], out["identical"], out["first_diff"]) == (3, 2, {"c": 1})
     assert out["excluded"]["d"] == "missing" and "prompt differs" in out["excluded"]["e"]
     assert out["excluded"]["f"] == "cached_tokens 64 vs 128"
-    assert pb.first_diff([1, 2], [1, 2, 3]) == 2 and pb.first_diff([1], [1]) is None
+    assert pb.v4_probe.first_diff([1, 2], [1, 2, 3]) == 2 and pb.v4_probe.first_diff([1], [1]) is None
 
 
 def test_prefix_bench_summary_pools_and_grouping():

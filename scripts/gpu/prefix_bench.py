@@ -99,7 +99,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (flags, ENV, hisparse_config, prompts, VOCAB, LOG_DIR)
-import v4_probe  # noqa: E402  (sse_payloads, BatchTracker, batch_body, request_ids, device_info)
+import v4_probe  # noqa: E402  (sse_payloads, BatchTracker, batch_body, request_ids, device_info, first_diff)
 from decode_log import decode_stats, decode_trace, parse_batches  # noqa: E402
 
 from sglang_hisparse.serving.launcher import Server, start_server, wait_for_idle_report  # noqa: E402
@@ -635,13 +635,6 @@ def summary_ratios(rows: dict[str, dict], anchor: str = ANCHOR) -> dict[str, dic
     return out
 
 
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token (None: identical)."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def compare(base: list[dict], test: list[dict]) -> dict:
     """Token by token, requests matched by name; compared only where prompt digest and cached_tokens
     are equal on both sides (the rest listed with the reason)."""
@@ -657,7 +650,7 @@ def compare(base: list[dict], test: list[dict]) -> dict:
             out["excluded"][r["name"]] = f"cached_tokens {t['cached_tokens']} vs {r['cached_tokens']}"
         else:
             out["compared"] += 1
-            d = first_diff(r["output_ids"], t["output_ids"])
+            d = v4_probe.first_diff(r["output_ids"], t["output_ids"])
             if d is None:
                 out["identical"] += 1
             else:
