@@ -5,7 +5,9 @@ SGLang 0.5.17, where ``kv_cache_builder.build_kv_cache`` calls it once per sched
 before the HiSparse coordinator exists, and its default factory builds a plain ``RadixCache`` for
 a DSA model without HiCache. With ``--enable-hisparse`` and the radix cache on, a
 :class:`~sglang_hisparse.prefix.host_tree.HostPrefixCache` is built instead (the coordinator
-attaches itself later: ``patches/prefix_cache_attach.py``); a setting under which SGLang would
+attaches itself later: ``patches/prefix_cache_attach.py``; on a PD decode instance, where SGLang
+builds it only with ``--disaggregation-decode-enable-radix-cache``, it serves the prefill's skipping
+of a held prefix: ``prefix/pd_prefix.py``); a setting under which SGLang would
 build another cache kind is refused with one line. Otherwise the original runs unchanged.
 """
 
@@ -45,7 +47,7 @@ def create_tree_cache(original: Callable[..., Any], ctx: Any, *args: Any, **kwar
         raise HiSparseConfigError(f"--enable-hisparse with the radix cache on does not support {problem}")
     from sglang_hisparse.prefix.host_tree import HostPrefixCache
 
-    return HostPrefixCache(ctx.params)
+    return HostPrefixCache(ctx.params, serves_transfers=ctx.server_args.disaggregation_mode == "decode")
 
 
 def register(registry: Any) -> None:

@@ -177,6 +177,8 @@ class ResolveStats:
             pools += (f" cached={cached} loaded={self.prefix_cache.loaded_tokens} "
                       f"lent={self.prefix_cache.loans.lent_tokens} shared={self.prefix_cache.shared_tokens} "
                       f"evicted={self.prefix_cache.evicted_tokens}")
+            if self.prefix_cache.serves_transfers:
+                pools += f" not_sent={self.prefix_cache.tokens_not_sent}"
         line = (
             f"sglang-hisparse idle: {pools} leak={'yes' if leak else 'no'} selected={selected} "
             f"misses={misses} miss_rate={misses / selected if selected else 0.0:.4f} row_bytes={self._row_bytes}"

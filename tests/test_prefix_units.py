@@ -21,8 +21,9 @@ P = 4
 @given(logical_used=st.integers(0, 48), rows_used=st.integers(0, 24), host_capacity=st.integers(8, 48),
        freed=st.integers(0, 48))
 def test_the_room_an_eviction_adds_is_what_available_becomes_after_it(logical_used, rows_used, host_capacity, freed):
-    """``available_with_freed(n)``: what ``available()`` reads once ``n`` cached tokens (ids and host
-    rows, no device rows) are freed; checked by freeing them for real."""
+    """``available_with_freed(n)`` and ``decode_room_with_freed(n)``: what ``available()`` and
+    ``decode_room()`` read once ``n`` cached tokens (ids and host rows, no device rows) are freed;
+    checked by freeing them for real."""
     rows_used, freed = rows_used * P, min(freed, logical_used)
     logical = PageAllocator(48, 1, "cpu")  # 48 logical ids, pages of one: exact counts
     rows = DeviceRows(24 * P, P, "cpu")
@@ -31,10 +32,11 @@ def test_the_room_an_eviction_adds_is_what_available_becomes_after_it(logical_us
     held = logical.alloc_tokens(logical_used) if logical_used else torch.empty(0, dtype=torch.int64)
     if rows_used:
         rows.pages.alloc_tokens(rows_used)
-    predicted = room.available_with_freed(freed)
+    predicted, predicted_decode = room.available_with_freed(freed), room.decode_room_with_freed(freed)
     if freed:
         logical.free_tokens(held[:freed])
     assert room.available() == predicted
+    assert room.decode_room() == predicted_decode  # what a PD decode instance's admission reads
     assert room.available_with_freed(0) == room.available()
 
 

@@ -33,6 +33,8 @@ def test_the_cpu_engine_ignores_gpu_backend_flags():
 def test_a_supported_server_passes():
     check_server_settings(GOOD)
     check_server_settings(dataclasses.replace(GOOD, disable_radix_cache=False))  # prefix reuse
+    # a PD decode instance with --disaggregation-decode-enable-radix-cache (the prefill skips a held prefix)
+    check_server_settings(dataclasses.replace(GOOD, disable_radix_cache=False, disaggregation_mode="decode"))
     check_server_settings(dataclasses.replace(GOOD, kv_cache_dtype="fp8_e4m3",
                                               dsa_prefill_backend="flashmla_kv",
                                               dsa_decode_backend=None))
@@ -44,8 +46,8 @@ def test_a_supported_server_passes():
         (dict(is_dsa_model=False, architecture="Qwen2ForCausalLM"), "Qwen2ForCausalLM has no DSA indexer"),
         (dict(disable_radix_cache=False, speculative_algorithm="EAGLE", speculative_eagle_topk=1,
               disable_overlap_schedule=True), "radix cache on (prefix reuse) does not support --speculative-algorithm=EAGLE"),
-        (dict(disable_radix_cache=False, disaggregation_mode="decode"),
-         "radix cache on (prefix reuse) does not support --disaggregation-mode=decode"),
+        (dict(disable_radix_cache=False, disaggregation_mode="prefill"),
+         "radix cache on (prefix reuse) does not support --disaggregation-mode=prefill (allowed: null, decode)"),
         (dict(disable_radix_cache=False, enable_hierarchical_cache=True), "does not support --enable-hierarchical-cache"),
         (dict(kv_cache_dtype="fp8_e5m2"), "invalid --kv-cache-dtype=fp8_e5m2"),
         (dict(dsa_decode_backend="tilelang"), "invalid --dsa-decode-backend=tilelang"),

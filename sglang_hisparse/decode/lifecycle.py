@@ -134,8 +134,11 @@ class RequestLifecycle:
     def admit_direct(self, req) -> None:
         """PD decode: the request's KV is already in its host rows. With residency and room, it
         is loaded into rows of its own; otherwise it gets a hot buffer (short requests are loaded
-        from host, long ones start empty and miss on first use). Raises HiSparsePluginError when
-        no hot buffer fits (the PD admission budget should prevent it)."""
+        from host, long ones start empty and miss on first use). Its host rows may begin with a
+        cached prefix's, lent by the radix tree (``prefix/pd_prefix.py``): they are read the same
+        way. With the radix cache on, its prompt is then shared (as a colocated request's when it
+        enters decode). Raises HiSparsePluginError when no hot buffer fits (the PD admission
+        budget should prevent it)."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self.logical_ids(req, n)
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
@@ -153,6 +156,8 @@ class RequestLifecycle:
         self.mirror.mark_complete(idx, n)
         if resident:
             self.mirror.defer(idx)
+        if self.prefix_cache is not None:
+            self.prefix_cache.share_running(req)
         self.stats.note_activity()
 
     # --- leaving ---------------------------------------------------------------------------------

@@ -67,12 +67,17 @@ class AllocatorRoom:
         host_room = logical_free if self.host_capacity is None else self.host_capacity - self.logical_used()
         return max(0, min(logical_free, host_room))
 
+    def decode_room_with_freed(self, tokens: int) -> int:
+        """What :meth:`decode_room` would be with ``tokens`` more logical ids free, and the host rows
+        they hold (a prefix-cache eviction's gain). No side effects."""
+        logical_free = self.logical.available_tokens() + tokens
+        host_room = logical_free if self.host_capacity is None else self.host_capacity - (self.logical_used() - tokens)
+        return max(0, min(logical_free, host_room))
+
     def available_with_freed(self, tokens: int) -> int:
         """What :meth:`available` would be with ``tokens`` more logical ids free, and the host rows
         they hold (a prefix-cache eviction's gain: no device rows come back). No side effects."""
-        logical_free = self.logical.available_tokens() + tokens
-        host_room = logical_free if self.host_capacity is None else self.host_capacity - (self.logical_used() - tokens)
-        return max(0, min(logical_free, host_room, self.device_room()))
+        return min(self.decode_room_with_freed(tokens), self.device_room())
 
     def device_room(self) -> int:
         """Free device rows plus those that demoting resident requests would free."""

@@ -9,6 +9,9 @@ the slot's record and table like its own, but never freed through the slot.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
 import numpy as np
 import torch
 
@@ -29,6 +32,22 @@ class RequestRowRecord:
     """The record (set to ``{}`` by the subclass's constructor)."""
     _borrowed_of: dict[int, int]
     """Slot -> how many leading rows of its record are borrowed (set to ``{}`` likewise)."""
+    _first_rows_lent: Optional[torch.Tensor] = None
+    """Rows the next :meth:`alloc_paged_token_slots` of a slot with none borrows first (while
+    :meth:`lending_first_rows` is open)."""
+
+    @contextmanager
+    def lending_first_rows(self, rows: torch.Tensor) -> Iterator[None]:
+        """While open, the first :meth:`alloc_paged_token_slots` from position 0 for a slot with no
+        rows borrows ``rows`` (:meth:`borrow_request_rows`) as its first positions' rows before it
+        grows the rest: how a PD decode request preallocated by SGLang's code gets a cached prefix's
+        host rows (``prefix/pd_prefix.py``). At most one slot takes them; the offer ends at exit
+        whether taken or not (the caller checks :meth:`borrowed_count`)."""
+        self._first_rows_lent = rows
+        try:
+            yield
+        finally:
+            self._first_rows_lent = None
 
     def borrow_request_rows(self, table: torch.Tensor, lengths: torch.Tensor, req_pool_idx: int,
                             rows: "torch.Tensor | None", limit: int) -> int:
@@ -78,6 +97,10 @@ class RequestRowRecord:
         if num_tokens <= 0:
             return torch.empty((0,), dtype=torch.int64, device=req_to_host_pool.device)
         allocated = int(req_to_host_pool_allocated_len[req_pool_idx])
+        lent, self._first_rows_lent = self._first_rows_lent, None
+        if lent is not None and start_pos == 0 and allocated == 0:
+            allocated = self.borrow_request_rows(req_to_host_pool, req_to_host_pool_allocated_len, req_pool_idx, lent,
+                                                 limit=num_tokens)
         if start_pos > allocated:
             raise AssertionError(f"host rows must grow in order: start {start_pos} > allocated {allocated}")
         end = start_pos + num_tokens

@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (EvictParams, InitLoadBackPar
                                                      MatchResult)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
+from .pd_prefix import transfer_match
 from .running_share import share_running_prompt
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,15 @@ class PrefixLoans:
         self.lent_tokens += int(offer[1].numel())
         return offer[1]
 
+    def lend_to_slot(self, req_pool_idx: int, count: int) -> None:
+        """Record a loan of ``count`` leading rows to a slot directly (PD decode: the rows were lent
+        at preallocation, ``prefix/pd_prefix.py``, with no load-back to offer them). Same
+        AssertionError as :meth:`lend` for a slot with a loan open."""
+        if req_pool_idx in self._lent:
+            raise AssertionError(f"sglang-hisparse: request slot {req_pool_idx} preallocated with a loan of cached host rows open")
+        self._lent[req_pool_idx] = count
+        self.lent_tokens += count
+
     def extend(self, req_pool_idx: int, count: int) -> None:
         """The slot's loan now covers its first ``count`` rows (the tree took the rest of them from
         the running request: :meth:`HostPrefixCache.share_running`)."""
@@ -148,9 +158,16 @@ class HostPrefixCache(RadixCache):
     """SGLang's radix cache over host rows (module docstring). Built by ``patches/prefix_cache.py``;
     the coordinator attaches itself with :meth:`attach` before the first request."""
 
-    def __init__(self, params: Any):
+    def __init__(self, params: Any, *, serves_transfers: bool = False):
+        """``serves_transfers``: a PD decode instance's tree (``prefix/pd_prefix.py``)."""
         self.host_rows_of: Optional[torch.Tensor] = None  # RadixCache.__init__ calls reset()
         super().__init__(params)
+        self.serves_transfers = serves_transfers
+        self.transfer_matching = False
+        """PD decode: set while SGLang's decode matches a request for its transfer; only then does
+        :meth:`match_prefix` report a prefix (``prefix/pd_prefix.py``, :func:`transfer_match`)."""
+        self.tokens_not_sent = 0
+        """PD decode: prompt tokens the prefill did not send since start (held here, lent)."""
         allocator = self.token_to_kv_pool_allocator
         # logical ids run from page 1 to the last page's end: size_full + page_size - 1
         self.host_rows_of = torch.full((allocator.size_full + self.page_size,), -1, dtype=torch.int64)
@@ -173,9 +190,12 @@ class HostPrefixCache(RadixCache):
     # --- matching --------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """The longest cached page-aligned prefix, reported as a host hit: no device indices; the
-        matched node is where :meth:`init_load_back` starts (SGLang locks it through the prefill)."""
+        matched node is where :meth:`init_load_back` starts (SGLang locks it through the prefill).
+        A PD decode instance's tree reports no match except while ``transfer_matching``."""
         if params.req is not None:  # a new match supersedes the request's earlier load-back
             self.loans.withdraw(params.req)
+        if self.serves_transfers:
+            return transfer_match(self, params) if self.transfer_matching else self.no_match()
         found = super().match_prefix(params)
         hit = int(found.device_indices.numel())
         if hit == 0:
@@ -183,6 +203,11 @@ class HostPrefixCache(RadixCache):
         return MatchResult(device_indices=self._empty_match_result.device_indices, last_device_node=self.root_node,
                            last_host_node=found.last_device_node, best_match_node=found.last_device_node,
                            host_hit_length=hit, full_kv_hit_length=hit)
+
+    def no_match(self) -> MatchResult:
+        """An empty match at the root."""
+        return MatchResult(device_indices=self._empty_match_result.device_indices, last_device_node=self.root_node,
+                           last_host_node=self.root_node, best_match_node=self.root_node)
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
         """Give the request ``host_hit_length`` ids of its own holding the matched prefix: device
@@ -209,7 +234,7 @@ class HostPrefixCache(RadixCache):
             logger.info("sglang-hisparse: prefix of %d tokens not loaded (no device rows free: %s); prefilled instead",
                         hit, allocator.debug_print())
             return self._empty_match_result.device_indices, self.root_node
-        tree_ids = self._path_ids(node)[:hit]
+        tree_ids = self.path_ids(node)[:hit]
         host_rows = self.host_rows_of[tree_ids.cpu()]
         if bool((host_rows < 0).any()):
             raise AssertionError("sglang-hisparse: a cached prefix token has no host row")
@@ -229,7 +254,7 @@ class HostPrefixCache(RadixCache):
         effects and error: :meth:`PrefixLoans.lend`."""
         return self.loans.lend(req)
 
-    def _path_ids(self, node: Any) -> torch.Tensor:
+    def path_ids(self, node: Any) -> torch.Tensor:
         """The ids of every token from the root to ``node``, in order."""
         parts = []
         while node is not None and node is not self.root_node:

@@ -35,9 +35,10 @@ IDLE_LINE = re.compile(r"sglang-hisparse idle(?P<c4> \(DeepSeek-V4 C4\))?: (?P<p
                        r"demotions=(?P<demotions>\d+))?")
 """Our idle report, DSA (``sglang-hisparse idle: ...``, stats.py) or DeepSeek-V4 C4
 (``sglang-hisparse idle (DeepSeek-V4 C4): ...``, decode/c4_coordinator.py)."""
-PREFIX_COUNTS = ("cached", "loaded", "lent", "shared", "evicted")
+PREFIX_COUNTS = ("cached", "loaded", "lent", "shared", "evicted", "not_sent")
 """The prefix cache's tokens held, loaded, lent (host rows a staged request borrowed instead of a
-copy), shared (by running requests), evicted (radix cache on): plain counts, not ``now/initial``."""
+copy), shared (by running requests), evicted, and (PD decode) not sent by the prefill because the
+tree held them (radix cache on): plain counts, not ``now/initial``."""
 
 
 def parse_idle_reports(log: str, layout: str = "dsa") -> list[dict]:

@@ -45,6 +45,10 @@ def function_seams() -> list[ModuleType]:
         idle_report,
         metrics,
         pd_bootstrap_check,
+        pd_prefix_budget,
+        pd_prefix_match,
+        pd_prefix_prealloc,
+        pd_radix_validation,
         pd_retraction,
         prefix_cache,
         prefix_cache_attach,
@@ -57,7 +61,8 @@ def function_seams() -> list[ModuleType]:
 
     seams = [validation, config_parser, decode_memory_check, idle_report, request_admission, pd_retraction,
              pd_bootstrap_check, metrics, verify_step, verify_forward, draft_runner, staging_draft, c4_sparse_prefill,
-             prefix_cache, prefix_cache_attach]
+             prefix_cache, prefix_cache_attach, pd_radix_validation, pd_prefix_match, pd_prefix_prealloc,
+             pd_prefix_budget]
     if cpu_platform():
         from sglang_hisparse.patches import (
             cpu_capability_probe,

@@ -88,17 +88,19 @@ def check_server_settings(s: ServerSettings) -> None:
 
 
 def _check_prefix_reuse(s: ServerSettings) -> None:
-    """The radix cache on (prefix reuse, ``prefix/host_tree.py``): colocated serving without
+    """The radix cache on (prefix reuse, ``prefix/host_tree.py``): colocated serving or a PD decode
+    instance (``--disaggregation-decode-enable-radix-cache``: SGLang turns its radix cache on only
+    then; the prefill skips a prefix the decode instance holds, ``prefix/pd_prefix.py``), without
     speculation. What SGLang would build instead of a plain radix cache (HiCache, other backends) is
     refused where the cache is built (``patches/prefix_cache.py``)."""
     if s.speculative_algorithm:
         raise HiSparseConfigError(
             f"--enable-hisparse with the radix cache on (prefix reuse) does not support --speculative-algorithm="
             f"{s.speculative_algorithm}: add --disable-radix-cache")
-    if s.disaggregation_mode != "null":
+    if s.disaggregation_mode not in ("null", "decode"):
         raise HiSparseConfigError(
             f"--enable-hisparse with the radix cache on (prefix reuse) does not support --disaggregation-mode="
-            f"{s.disaggregation_mode}: add --disable-radix-cache")
+            f"{s.disaggregation_mode} (allowed: null, decode): add --disable-radix-cache")
     if s.enable_hierarchical_cache:
         raise HiSparseConfigError(
             "--enable-hisparse does not support --enable-hierarchical-cache (HiCache keeps its own host copy of "

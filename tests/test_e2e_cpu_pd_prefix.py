@@ -1,0 +1,111 @@
+"""End to end on CPU: a PD decode instance with our HiSparse and its radix cache on
+(``--disaggregation-decode-enable-radix-cache``) asks the prefill instance only for what it does
+not hold (``prefix/pd_prefix.py``), against SGLang's own decode radix cache without HiSparse.
+
+One prefill instance (mooncake over TCP on 127.0.0.1, its radix cache off, so that it computes
+every request the same way whichever decode instance it serves) and two decode instances, both
+with the decode radix cache: SGLang's without HiSparse (the baseline: a cached prefix on the
+device) and ours with the default configuration (``{}``: a cached prefix in host rows, lent to
+the request; the prefill sends only the rest). Both decode instances hold the KV of the replies
+they decoded, so a later turn's prefix is their own decode's KV in both.
+
+* Multi-turn conversations (each turn re-sends the whole conversation plus a new message) and
+  requests sharing a long system prefix: greedy outputs identical to the baseline, the same
+  ``cached_tokens``, and ours' idle report says the prefill did not send those tokens
+  (``not_sent=``) — the count fails if the decode asks for everything.
+* ``/flush_cache`` on ours: nothing cached, every pool at its initial count (``leak=no``).
+"""
+
+from __future__ import annotations
+
+import random
+import urllib.request
+
+import pytest
+
+from serving import settle, start_all, stop_soon
+from sglang_hisparse.serving.launcher import free_port, wait_for_idle_report
+from sglang_hisparse_testkit.pd import PD_ENV, RoutedPair, decode_args, prefill_args
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
+          "--max-running-requests", "8", "--prefill-max-requests", "1"]
+DECODE_RADIX = ["--disaggregation-decode-enable-radix-cache"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (pip install .[test])",
+                        exc_type=ImportError)
+    logs = tmp_path_factory.mktemp("pd_prefix")
+    bootstrap_port = free_port()
+    specs = [dict(name="prefill", extra_args=COMMON + prefill_args(bootstrap_port), env=PD_ENV, log_dir=logs),
+             dict(name="decode_base_radix", extra_args=COMMON + decode_args() + DECODE_RADIX, radix_cache=True,
+                  env=PD_ENV, log_dir=logs),
+             dict(name="decode_ours_radix", hisparse_config="{}", extra_args=COMMON + decode_args() + DECODE_RADIX,
+                  radix_cache=True, env={**PD_ENV, "SGLANG_HISPARSE_TRAP_UPSTREAM": "1"}, log_dir=logs)]
+    prefill, base, ours = start_all(*specs, workers=3)
+    routed = {"base": RoutedPair(prefill, base, bootstrap_port), "ours": RoutedPair(prefill, ours, bootstrap_port)}
+    yield routed
+    for pair in routed.values():
+        pair.close()
+    stop_soon([prefill, base, ours])
+
+
+def run(pair, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    outs = pair.generate(prompts, NEW_TOKENS)
+    outs = outs if isinstance(outs, list) else [outs]
+    return [(o["output_ids"], int(o["meta_info"]["cached_tokens"])) for o in outs]
+
+
+def multi_turn(pair, seed: int) -> list[tuple[list[int], int]]:
+    """Two conversations of three turns, alternating; every turn sends the history plus a message."""
+    rng = random.Random(seed)
+    convs = [[[rng.randrange(2, 2000) for _ in range(n)] for n in lengths] for lengths in ([700, 150, 260], [420, 333, 90])]
+    history: list[list[int]] = [[], []]
+    results = []
+    for turn in range(3):
+        for c, conv in enumerate(convs):
+            prompt = history[c] + conv[turn]
+            ((output, cached),) = run(pair, [prompt])
+            history[c] = prompt + output
+            results.append((output, cached))
+    return results
+
+
+def shared_prefix(pair, seed: int) -> list[tuple[list[int], int]]:
+    """A 1100-token system prompt: one request first, then four more one after another."""
+    rng = random.Random(seed)
+    system = [rng.randrange(2, 2000) for _ in range(1100)]
+    users = [[rng.randrange(2, 2000) for _ in range(n)] for n in (120, 40, 300, 75, 210)]
+    return [result for user in users for result in run(pair, [system + user])]
+
+
+def test_a_prefix_the_decode_instance_holds_is_not_sent_again_and_outputs_match(pairs):
+    ours_server = pairs["ours"].decode
+    before = settle(ours_server)
+    for workload in (multi_turn, shared_prefix):
+        base, ours = workload(pairs["base"], 5), workload(pairs["ours"], 5)
+        outputs, base_outputs = [o for o, _ in ours], [o for o, _ in base]
+        first_diffs = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                       for x, y in zip(base_outputs, outputs)]
+        assert outputs == base_outputs, f"{workload.__name__}: first differing token per request: {first_diffs}"
+        assert [c for _, c in ours] == [c for _, c in base], workload.__name__
+        assert sum(c for _, c in base) > 0, "the baseline reused nothing: the workload proves nothing"
+        assert all(len(set(o)) > NEW_TOKENS // 4 for o in outputs), "degenerate outputs prove nothing"
+    report = wait_for_idle_report(ours_server, after=before)
+    assert not report["leak"], report
+    assert report["not_sent"] > 0 and report["cached"] > 0, report
+    log = ours_server.log()
+    assert "trap: sglang." not in log and "trap: installed on" in log
+
+    settled = settle(ours_server)
+    with urllib.request.urlopen(f"{ours_server.url}/flush_cache", timeout=60) as response:
+        response.read()
+    report = wait_for_idle_report(ours_server, after=settled)
+    assert not report["leak"], report
+    for name, (now, initial) in report["counts"].items():
+        assert now == initial, (name, now, initial)
+    assert report["cached"] == 0, report
