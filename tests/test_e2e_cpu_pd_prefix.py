@@ -13,19 +13,26 @@ they decoded, so a later turn's prefix is their own decode's KV in both.
   requests sharing a long system prefix: greedy outputs identical to the baseline, the same
   ``cached_tokens``, and ours' idle report says the prefill did not send those tokens
   (``not_sent=``) — the count fails if the decode asks for everything.
+* Two requests aborted mid-decode while they borrow a cached prefix's host rows, and a request
+  whose transfer never comes (only the decode half is sent; it fails after
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``) with a cached prefix lent: every pool back
+  (``leak=no``), the prefix still cached.
 * ``/flush_cache`` on ours: nothing cached, every pool at its initial count (``leak=no``).
 """
 
 from __future__ import annotations
 
 import random
+import time
+import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
 from serving import settle, start_all, stop_soon
-from sglang_hisparse.serving.launcher import free_port, wait_for_idle_report
-from sglang_hisparse_testkit.pd import PD_ENV, RoutedPair, decode_args, prefill_args
+from sglang_hisparse.serving.launcher import abort_two_mid_decode, free_port, post_json, wait_for_idle_report
+from sglang_hisparse_testkit.pd import PD_ENV, RoutedPair, decode_args, prefill_args, unpaired_request
 
 pytestmark = pytest.mark.slow
 
@@ -33,10 +40,11 @@ COMMON = ["--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunk
           "--max-running-requests", "8", "--prefill-max-requests", "1"]
 DECODE_RADIX = ["--disaggregation-decode-enable-radix-cache"]
 NEW_TOKENS = 24
+WAITING_TIMEOUT_S = 30
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
+def servers(tmp_path_factory):
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (pip install .[test])",
                         exc_type=ImportError)
     logs = tmp_path_factory.mktemp("pd_prefix")
@@ -45,10 +53,12 @@ def pairs(tmp_path_factory):
              dict(name="decode_base_radix", extra_args=COMMON + decode_args() + DECODE_RADIX, radix_cache=True,
                   env=PD_ENV, log_dir=logs),
              dict(name="decode_ours_radix", hisparse_config="{}", extra_args=COMMON + decode_args() + DECODE_RADIX,
-                  radix_cache=True, env={**PD_ENV, "SGLANG_HISPARSE_TRAP_UPSTREAM": "1"}, log_dir=logs)]
+                  radix_cache=True, log_dir=logs,
+                  env={**PD_ENV, "SGLANG_HISPARSE_TRAP_UPSTREAM": "1",
+                       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)})]
     prefill, base, ours = start_all(*specs, workers=3)
     routed = {"base": RoutedPair(prefill, base, bootstrap_port), "ours": RoutedPair(prefill, ours, bootstrap_port)}
-    yield routed
+    yield SimpleNamespace(pairs=routed, bootstrap_port=bootstrap_port)
     for pair in routed.values():
         pair.close()
     stop_soon([prefill, base, ours])
@@ -75,15 +85,21 @@ def multi_turn(pair, seed: int) -> list[tuple[list[int], int]]:
     return results
 
 
+def system_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 2000) for _ in range(1100)]
+
+
 def shared_prefix(pair, seed: int) -> list[tuple[list[int], int]]:
     """A 1100-token system prompt: one request first, then four more one after another."""
-    rng = random.Random(seed)
-    system = [rng.randrange(2, 2000) for _ in range(1100)]
+    rng = random.Random(seed + 1)
+    system = system_prompt(seed)
     users = [[rng.randrange(2, 2000) for _ in range(n)] for n in (120, 40, 300, 75, 210)]
     return [result for user in users for result in run(pair, [system + user])]
 
 
-def test_a_prefix_the_decode_instance_holds_is_not_sent_again_and_outputs_match(pairs):
+def test_a_prefix_the_decode_instance_holds_is_not_sent_again_and_outputs_match(servers):
+    pairs = servers.pairs
     ours_server = pairs["ours"].decode
     before = settle(ours_server)
     for workload in (multi_turn, shared_prefix):
@@ -101,6 +117,35 @@ def test_a_prefix_the_decode_instance_holds_is_not_sent_again_and_outputs_match(
     log = ours_server.log()
     assert "trap: sglang." not in log and "trap: installed on" in log
 
+
+def test_aborts_and_a_failed_transfer_with_a_lent_prefix_leave_every_pool_back(servers):
+    pair = servers.pairs["ours"]
+    system = system_prompt(5)
+    pair.generate(system + [7, 8, 9], 4)  # the system prompt is cached (again, if an earlier test ran)
+    before = settle(pair.decode)
+    held = wait_for_idle_report(pair.decode)["not_sent"]
+    client = SimpleNamespace(generate=pair.generate, abort=pair.abort, log=pair.decode.log)
+    outcome = abort_two_mid_decode(client, [100, 700, 1500, 300], 240, seed=3, prefix=system)
+    assert set(outcome["aborted"]) <= {"abort"} and all(outcome["finished"]), outcome
+    report = wait_for_idle_report(pair.decode, after=before)
+    assert not report["leak"] and report["not_sent"] >= held + 4 * 1024, report
+
+    before = settle(pair.decode)
+    body = unpaired_request(system + [11, 12, 13], 8, bootstrap_host="127.0.0.1", bootstrap_port=servers.bootstrap_port,
+                            bootstrap_room=random.Random(11).getrandbits(62))
+    started = time.time()
+    try:
+        reason = post_json(f"{pair.decode.url}/generate", body, 4 * WAITING_TIMEOUT_S)["meta_info"]["finish_reason"]
+    except urllib.error.HTTPError as e:  # SGLang answers an aborted request with its status code
+        reason = e.read().decode()
+    assert time.time() - started >= WAITING_TIMEOUT_S * 0.9 and "timed out" in str(reason), reason
+    report = wait_for_idle_report(pair.decode, after=before)
+    assert not report["leak"] and report["cached"] >= 1024, report
+    assert pair.generate(system + [7, 8, 9], 4)["output_ids"], "the server keeps serving"
+
+
+def test_flushing_the_cache_gives_every_row_back(servers):
+    ours_server = servers.pairs["ours"].decode
     settled = settle(ours_server)
     with urllib.request.urlopen(f"{ours_server.url}/flush_cache", timeout=60) as response:
         response.read()

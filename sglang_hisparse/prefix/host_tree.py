@@ -38,7 +38,9 @@ Not owned: the host rows' bytes and free list (the coordinator's host mirror), t
 and device rows (the allocator).
 
 Limits: one tree per scheduler process (attention TP ranks build identical trees from identical
-calls); a DSA model; no speculation, PD or DeepSeek-V4 (refused at start-up by server_checks).
+calls); a DSA model; no speculation or DeepSeek-V4 (refused at start-up by server_checks). On a PD
+decode instance (``serves_transfers``) a match serves the prefill's skipping of a held prefix
+instead of a load-back (``prefix/pd_prefix.py``).
 """
 
 from __future__ import annotations

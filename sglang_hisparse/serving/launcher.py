@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 MODELS_DIR = PACKAGE_DIR / "models"
@@ -275,8 +275,10 @@ def scrape_metrics(server: Server, prefix: str = "sglang_hisparse_") -> dict[str
     return series
 
 
-def abort_two_mid_decode(server: Server, lengths: list[int], new_tokens: int, *, seed: int) -> dict:
-    """Send one request per entry of ``lengths`` (random prompts), wait until the server decodes,
+def abort_two_mid_decode(server: Server, lengths: list[int], new_tokens: int, *, seed: int,
+                         prefix: Sequence[int] = ()) -> dict:
+    """Send one request per entry of ``lengths`` (random prompts after ``prefix``, e.g. a cached
+    system prompt), wait until the server decodes,
     abort the first and the third (one short, one long when ``lengths`` is so ordered), wait for
     all of them. Returns ``{"aborted": [...], "finished": [...]}``: the finish-reason types of the
     aborted requests that returned a result, and whether each other request returned one."""
@@ -285,7 +287,7 @@ def abort_two_mid_decode(server: Server, lengths: list[int], new_tokens: int, *,
     results: dict[str, Any] = {}
 
     def run(rid: str, length: int) -> None:
-        ids = [rng.randrange(2, 2000) for _ in range(length)]
+        ids = list(prefix) + [rng.randrange(2, 2000) for _ in range(length)]
         try:
             results[rid] = server.generate(ids, new_tokens, rid=rid, timeout=900)
         except Exception as e:  # noqa: BLE001 - aborted requests may end with an error status
