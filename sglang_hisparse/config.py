@@ -84,6 +84,13 @@ class HiSparseConfig:
     """Fraction of the device pool's rows that residency keeps free: a request stays resident
     at admission only if that many rows remain, and decode steps demote resident requests when
     free rows fall below it. A number in [0, 0.5]."""
+    promotion_interval: int = 32
+    """With residency on, every this many decode steps the shortest request of the step decoding
+    from a hot buffer (a demoted or PD-admitted one) moves back into rows of its own when the
+    pool keeps the watermark and one more hot buffer free after taking them: its KV is loaded from
+    host (one copy on the step's stream), its misses end (docs/design.md, "Residency"). The hot
+    buffers thus grow back into free rows after pressure, and admission demotes as before when it
+    needs the rows. 0: never (demoted requests stay in hot buffers). An integer >= 0."""
     replacement: str = "lru"
     """Hot-buffer replacement policy: ``lru`` (least recently used slot first) or ``reuse`` (the
     history-only reuse table of docs/policies.md: per-slot age and selection count, the packaged
@@ -269,6 +276,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], quer
         indexshare_prefetch=_require_bool(raw, "indexshare_prefetch", True),
         residency=_require_bool(raw, "residency", query_rows == 1),
         residency_watermark=_watermark(raw),
+        promotion_interval=_promotion_interval(raw),
         replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
         slot_map=_require_bool(raw, "slot_map", False),
         query_rows=query_rows,
@@ -280,6 +288,13 @@ def _watermark(raw: Mapping[str, Any]) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.5:
         raise _fail("residency_watermark", value, "must be a number in [0, 0.5] (fraction of the device pool kept free)")
     return float(value)
+
+
+def _promotion_interval(raw: Mapping[str, Any]) -> int:
+    value = _require_int(raw, "promotion_interval", 32)
+    if value < 0:
+        raise _fail("promotion_interval", value, "must be an integer >= 0 (decode steps between promotions; 0 = off)")
+    return value
 
 
 def _stats_interval(raw: Mapping[str, Any]) -> int:

@@ -190,6 +190,6 @@ class ResolveStats:
             line += f" steps={steps} " + host_time_line(totals, steps)
         if self.residency is not None:
             line += (f" resident={self.residency.count()} admitted_resident={self.residency.admitted_total}"
-                     f" demotions={self.residency.demotions_total} promotions=0")
+                     f" demotions={self.residency.demotions_total} promotions={self.residency.promotions_total}")
         (logger.error if leak else logger.info)(line)
         return line

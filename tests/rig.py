@@ -74,6 +74,7 @@ class Rig:
         wait_for_staging: bool = False,
         residency: bool = False,
         residency_watermark: float = 0.05,
+        promotion_interval: int = 32,
         topk_sources: Optional[list] = None,
         indexshare_prefetch: bool = True,
         replacement: str = "lru",
@@ -100,7 +101,8 @@ class Rig:
         self.config = HiSparseConfig(
             top_k=top_k, device_buffer_size=device_buffer_size, host_to_device_ratio=ratio,
             swap_in_block_size=256, resolver="reference", wait_for_staging=wait_for_staging,
-            residency=residency, residency_watermark=residency_watermark, indexshare_prefetch=indexshare_prefetch,
+            residency=residency, residency_watermark=residency_watermark, promotion_interval=promotion_interval,
+            indexshare_prefetch=indexshare_prefetch,
             replacement=replacement, query_rows=query_rows, slot_map=slot_map,
         )
         self.coord = HiSparseCoordinator(

@@ -47,6 +47,7 @@ def test_all_keys_round_trip():
         "indexshare_prefetch": False,
         "residency": True,
         "residency_watermark": 0.125,
+        "promotion_interval": 8,
         "replacement": "reuse",
         "slot_map": True,
     }
@@ -112,6 +113,7 @@ def test_config_is_frozen():
         ('{"residency": "on"}', 'invalid residency="on": must be true or false'),
         ('{"residency_watermark": 0.75}', "invalid residency_watermark=0.75: must be a number in [0, 0.5]"),
         ('{"residency_watermark": true}', "invalid residency_watermark=true: must be a number in [0, 0.5]"),
+        ('{"promotion_interval": -1}', "invalid promotion_interval=-1: must be an integer >= 0"),
         ('{"replacement": "lfu"}', 'invalid replacement="lfu": must be one of lru, reuse'),
         ('{"replacement": true}', "invalid replacement=true: must be one of lru, reuse"),
         ('{"slot_map": 1}', "invalid slot_map=1: must be true or false"),

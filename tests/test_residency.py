@@ -203,20 +203,71 @@ def test_pd_direct_admission_loads_a_resident_request_from_host(gloo_world, prom
     assert rig.counts() == rig.initial_counts
 
 
+def test_a_demoted_request_is_promoted_back_when_rows_free_up_and_stays_exact(gloo_world):
+    """Demoted by hand (pressure), then rows are free: at the next promotion check (every step
+    here) the request takes rows of its own again, loaded from host; it reads its own rows from
+    then on (no more misses), every selection checked against the true KV, and all comes back."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True, residency_watermark=0.0, promotion_interval=1)
+    rng = random.Random(21)
+    req, short = Request(uid=1, prompt_len=5 * PAGE), Request(uid=2, prompt_len=40)
+    for r in (req, short):
+        assert rig.prefill(r)
+        rig.stage(r)
+    rig.collect()
+    driver, residency, idx = rig.coord._resident_decode, rig.coord.residency, req.req_pool_idx
+    decode(rig, [req, short], rng, steps=3)
+    driver.demote(idx)
+    assert rig.coord.hot.holds(idx) and not residency.holds(idx)
+    decode(rig, [req, short], rng, steps=1)  # the check before this step promotes it
+    assert residency.holds(idx) and not rig.coord.hot.holds(idx) and residency.promotions_total == 1
+    misses = rig.coord.stats.totals()[1]
+    decode(rig, [req, short], rng, steps=70)  # through a page start, as a resident request
+    assert rig.coord.stats.totals()[1] == misses, "a promoted request reads its own rows"
+    assert bool((own_rows(rig, req)[: req.seq_len - 1] > 0).all())
+    for r in (req, short):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+@pytest.mark.parametrize("interval, taken_pages", [(1, 12), (0, 0)])
+def test_no_promotion_without_headroom_for_one_more_hot_buffer_or_when_off(gloo_world, interval, taken_pages):
+    """After taking its rows the pool must keep the watermark and one hot buffer (``padded``) free:
+    with only that much room left nothing is promoted; ``promotion_interval`` 0 never promotes."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True, residency_watermark=0.0, promotion_interval=interval)
+    rng = random.Random(22)
+    req = Request(uid=1, prompt_len=5 * PAGE)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    rig.coord._resident_decode.demote(req.req_pool_idx)  # 3 pages kept (padded), 13 free
+    taken = rig.allocator.rows.pages.alloc_pages(taken_pages) if taken_pages else None
+    decode(rig, [req], rng, steps=3)  # 6 pages + 3 padded would be needed beyond 1 free
+    assert rig.coord.residency.promotions_total == 0 and rig.coord.hot.holds(req.req_pool_idx)
+    if taken is not None:
+        rig.allocator.rows.pages.free_pages_(taken)
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+
+
 def test_policy_orders_victims_longest_first_and_keeps_the_most_selected_pages():
     assert ResidencyPolicy.victims({1: 64, 2: 0, 3: 128}, {1: 500, 2: 900, 3: 700}) == [3, 1]
     keep = ResidencyPolicy.pages_to_keep(torch.tensor([0.0, 5.0, 0.0, 2.0, 0.0]), 3)
     assert keep.tolist() == [4, 3, 1], "best last; ties go to the newer page"
     assert ResidencyPolicy(watermark_rows=10).admits(10) and not ResidencyPolicy(watermark_rows=10).admits(9)
+    policy = ResidencyPolicy(watermark_rows=10, headroom_rows=192)
+    assert policy.promotes(202) and not policy.promotes(201)
+    assert ResidencyPolicy.promotion_candidate({4: 900, 7: 300, 2: 300}) == 2, "shortest first, then the lower slot"
+    assert ResidencyPolicy.promotion_candidate({}) is None
 
 
 @pytest.mark.parametrize("replacement, slot_map", [("lru", False), ("reuse", False), ("lru", True)])
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]))
+@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05, 0.2]),
+       promotion_interval=st.sampled_from([1, 4, 32]))
 def test_random_lifecycles_with_residency_stay_exact_and_leak_nothing(gloo_world, replacement, slot_map, seed, overlap,
-                                                                      watermark):
+                                                                      watermark, promotion_interval):
     rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark,
-              replacement=replacement, slot_map=slot_map)
+              replacement=replacement, slot_map=slot_map, promotion_interval=promotion_interval)
     run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350, 600], finish_after=700)
     assert rig.counts() == rig.initial_counts
 
@@ -226,7 +277,7 @@ def test_demoting_a_short_resident_request_makes_a_filled_hot_buffer_of_its_rows
     request shorter than a hot buffer holds only its own pages (nothing is set aside
     for it), becomes a filled hot buffer of exactly those rows, and keeps decoding exactly
     through the fast and long paths, taking its next pages from the free rows."""
-    rig = Rig(gloo_world, residency=True, residency_watermark=0.0)
+    rig = Rig(gloo_world, residency=True, residency_watermark=0.0, promotion_interval=0)  # stays in its buffer
     rng = random.Random(12)
     req = Request(uid=4, prompt_len=70)  # 2 pages < padded = 192 rows
     assert rig.prefill(req)

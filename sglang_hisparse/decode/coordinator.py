@@ -41,6 +41,7 @@ from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import RequestLifecycle
 from sglang_hisparse.decode.prefetch import model_topk_sources
 from sglang_hisparse.decode.pressure import ResidentDecode
+from sglang_hisparse.decode.promotion import Promotion
 from sglang_hisparse.decode.startup import (build_memory, build_resolver, build_stats, published_config,
                                             residency_label, reuse_levels_for)
 from sglang_hisparse.decode.steps import DecodeSteps
@@ -119,12 +120,12 @@ class HiSparseCoordinator:
                     capacity_line(self.capacity))
 
     def _build_residency(self, max_reqs: int, device: torch.device, selections: torch.Tensor) -> ResidentDecode:
-        """Residency on: the allocator marks resident pages, the driver is wired into it (reclaim)
-        and into the idle reports."""
+        """Residency on: resident pages marked, the driver (reclaim, promotion), the idle reports' counts."""
         self.allocator.enable_resident_pages()
         driver = ResidentDecode.build(
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
+        driver.promotion = Promotion.for_driver(driver, self.device_pool, self.config.promotion_interval)
         self.stats.residency = driver.residency
         return driver
 

@@ -10,17 +10,20 @@ ordered after the forward in flight (``quiesce``: it may read the rows and write
 the request's newest position is written through to host, the next forward is ordered after that
 copy, and only then do the tables and the mapping change. So the host copy is complete before any
 row of the request is freed or reused.
+
+The way back, promotion, is ``decode/promotion.py`` (:class:`Promotion`, the driver's ``promotion``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
+from sglang_hisparse.decode.promotion import Promotion
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS
 from sglang_hisparse.memory.residency import Residency, ResidencyPolicy
@@ -39,6 +42,7 @@ class ResidentDecode:
         self.selections = selections
         """The coordinator's resolver output (int32 [max_reqs, top_k], rows of the last layer)."""
         self.quiesce = quiesce
+        self.promotion: Optional[Promotion] = None  # the way back (set by the coordinator: Promotion.for_driver)
         self._last_batch = torch.zeros(0, dtype=torch.int64)
         """The request slots of the last decode step, in batch order (their rows of ``selections``; CPU)."""
         self._steps = 0
@@ -54,7 +58,7 @@ class ResidentDecode:
     def build(cls, config, *, max_reqs: int, device: torch.device, hot, mirror, allocator, **kwargs) -> "ResidentDecode":
         """Residency for a server (``config.residency_watermark`` of the device pool kept free),
         wired into the allocator: admission counts reclaimable rows, a prefill reclaims them."""
-        policy = ResidencyPolicy(watermark_rows=math.ceil(config.residency_watermark * allocator.device_size))
+        policy = ResidencyPolicy(math.ceil(config.residency_watermark * allocator.device_size), hot.padded)
         residency = Residency(allocator, hot, max_reqs=max_reqs, device=device, policy=policy)
         driver = cls(residency, hot=hot, mirror=mirror, allocator=allocator, **kwargs)
         allocator.set_reclaimer(driver.reclaim, residency.reclaimable_rows)

@@ -53,6 +53,7 @@ class DecodeSteps:
         self.stats.note_decode_step(int(lens.numel()))
         driver = self.resident
         if driver is not None:
+            driver.promotion.maybe_promote(idxs, lens)
             driver.flush_deferred(idxs, lens)
             if driver.resident_step(idxs.tolist(), lens.tolist(), idxs, lens):
                 return

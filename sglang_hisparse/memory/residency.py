@@ -13,12 +13,15 @@ which pages a demoted request keeps; the mechanism only moves rows, and keeps th
 resident with how many positions and pages in its base class
 (:class:`~sglang_hisparse.memory.resident_slots.ResidentSlots`).
 
+*Promotion* is the way back: a request decoding from a hot buffer whose whole KV fits in free rows,
+leaving the watermark and one more hot buffer free, takes rows of its own again; its caller
+(``decode/pressure.py``) closes its hot buffer first and loads its KV from host into the rows.
+
 Owned state (docs/design.md, "Ownership"): the per-request-slot resident flag ``flags`` (uint8
 [max_reqs] on the KV device, read by the resolver) and the positions each resident request has on
 the device (``length``, an int64 CPU tensor [max_reqs], 0 for a slot that is not resident, so that
 a decode step updates every resident request in one tensor op). Counters: requests admitted
-resident and demotions. Promotion back to resident is not done: a demoted request stays a
-hot-buffer request.
+resident, demotions and promotions.
 
 A resident request holds exactly the rows a server without HiSparse gives it, and nothing is set
 aside for it: its next page comes from the free rows (checked before each decode step, with
@@ -60,13 +63,28 @@ class ResidencyPolicy:
       long request the least relative to its attention work), skipping those whose demotion
       frees nothing (at most ``padded`` rows).
     * Kept pages: the pages holding most of the last step's selections (ties: the newer page).
+    * Promotion (back from a hot buffer): the shortest candidate first (the fewest rows to load, and
+      the last a later demotion would take), only if ``watermark_rows + headroom_rows`` device
+      rows stay free after it (``headroom_rows``: one hot buffer, so that the next admission
+      needs no demotion of it).
     """
 
     watermark_rows: int
+    headroom_rows: int = 0
 
     def admits(self, room_after: int) -> bool:
         """May a request stay resident, leaving ``room_after`` free device rows?"""
         return room_after >= self.watermark_rows
+
+    def promotes(self, room_after: int) -> bool:
+        """May a hot-buffer request become resident, leaving ``room_after`` free device rows?"""
+        return room_after >= self.watermark_rows + self.headroom_rows
+
+    @staticmethod
+    def promotion_candidate(lengths: dict[int, int]) -> Optional[int]:
+        """The request slot to promote first among ``lengths`` (slot -> positions): the shortest
+        (ties: the lower slot); None for none."""
+        return min(lengths, key=lambda idx: (lengths[idx], idx)) if lengths else None
 
     @staticmethod
     def victims(reclaimable: dict[int, int], lengths: dict[int, int]) -> list[int]:
@@ -98,6 +116,7 @@ class Residency(ResidentSlots):
         self.flags = torch.zeros(max_reqs, dtype=torch.uint8, device=device)
         self.admitted_total = 0
         self.demotions_total = 0
+        self.promotions_total = 0
 
     # --- pressure ----------------------------------------------------------------------------
     def rows_needed(self, at_page_start: list[tuple[int, int]]) -> int:
@@ -140,6 +159,7 @@ class Residency(ResidentSlots):
         if not self.policy.admits(self.allocator.rows.room()):
             return False
         self._enter(idx, logical_ids)
+        self.admitted_total += 1
         return True
 
     def admit_loaded(self, idx: int, logical_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -153,13 +173,34 @@ class Residency(ResidentSlots):
         rows = self.allocator.rows.pages.alloc_tokens(rows_needed)[:n]
         self.allocator.map_logical(logical_ids, rows)
         self._enter(idx, logical_ids)
+        self.admitted_total += 1
+        return rows
+
+    def can_promote(self, idx: int, n: int) -> bool:
+        """Whether hot-buffer request slot ``idx`` with ``n`` positions may be promoted now (its
+        buffer's rows count as free: they are given back first). No side effects."""
+        room_after = self.allocator.rows.room() + self.hot.capacity[idx] - self._rows(n)
+        return self.policy.promotes(room_after)
+
+    def promote(self, idx: int, logical_ids: torch.Tensor) -> torch.Tensor:
+        """Hot-buffer request slot ``idx`` becomes resident: rows for its ``n = len(logical_ids)``
+        positions (whole pages, mapped, marked). The caller checked :meth:`can_promote`, closed its
+        hot buffer (unmapping its ids) and loads its KV from host into the returned rows (int64,
+        positions ``0..n-1``). HiSparsePluginError when the rows are not free (a caller bug)."""
+        rows_needed = self._rows(logical_ids.numel())
+        if rows_needed > self.allocator.rows.room():
+            raise HiSparsePluginError(f"sglang-hisparse: promotion of request slot {idx} needs {rows_needed} free "
+                                      f"device rows ({self.allocator.debug_print()})")
+        rows = self.allocator.rows.pages.alloc_tokens(rows_needed)[: logical_ids.numel()]
+        self.allocator.map_logical(logical_ids, rows)
+        self._enter(idx, logical_ids)
+        self.promotions_total += 1
         return rows
 
     def _enter(self, idx: int, logical_ids: torch.Tensor) -> None:
         self._set_length(idx, logical_ids.numel())
         self.flags[idx].fill_(1)  # fill_: ``flags[idx] = 1`` copies the scalar from pageable memory (a sync)
         self.allocator.mark_resident_pages(logical_ids[:: self.page_size], True)
-        self.admitted_total += 1
 
     # --- decode ------------------------------------------------------------------------------
     def own_rows(self, req_to_token: torch.Tensor, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
