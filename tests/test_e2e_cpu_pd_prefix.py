@@ -55,13 +55,16 @@ def servers(tmp_path_factory):
              dict(name="decode_ours_radix", hisparse_config="{}", extra_args=COMMON + decode_args() + DECODE_RADIX,
                   radix_cache=True, log_dir=logs,
                   env={**PD_ENV, "SGLANG_HISPARSE_TRAP_UPSTREAM": "1",
-                       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)})]
-    prefill, base, ours = start_all(*specs, workers=3)
-    routed = {"base": RoutedPair(prefill, base, bootstrap_port), "ours": RoutedPair(prefill, ours, bootstrap_port)}
+                       "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(WAITING_TIMEOUT_S)}),
+             dict(name="decode_ours_radix_retract", hisparse_config="{}", radix_cache=True, log_dir=logs,
+                  extra_args=COMMON + decode_args() + DECODE_RADIX, env={**PD_ENV, "SGLANG_TEST_RETRACT": "1"})]
+    started = start_all(*specs, workers=4)
+    prefill, *decodes = started
+    routed = {name: RoutedPair(prefill, decode, bootstrap_port) for name, decode in zip(("base", "ours", "retract"), decodes)}
     yield SimpleNamespace(pairs=routed, bootstrap_port=bootstrap_port)
     for pair in routed.values():
         pair.close()
-    stop_soon([prefill, base, ours])
+    stop_soon(started)
 
 
 def run(pair, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
@@ -116,6 +119,20 @@ def test_a_prefix_the_decode_instance_holds_is_not_sent_again_and_outputs_match(
     assert report["not_sent"] > 0 and report["cached"] > 0, report
     log = ours_server.log()
     assert "trap: sglang." not in log and "trap: installed on" in log
+
+
+def test_requests_retracted_with_a_lent_prefix_come_back_exact(servers):
+    """The same workloads through ours with a retraction every third step (``SGLANG_TEST_RETRACT``:
+    a retracted request's KV leaves the host pool, the loan of the prefix ends, it resumes with rows
+    of its own): outputs identical to SGLang's decode radix cache, no leak."""
+    pairs, retract = servers.pairs, servers.pairs["retract"].decode
+    before = settle(retract)
+    for workload in (multi_turn, shared_prefix):
+        base, ours = workload(pairs["base"], 7), workload(pairs["retract"], 7)
+        assert [o for o, _ in ours] == [o for o, _ in base], workload.__name__
+    report = wait_for_idle_report(retract, after=before)
+    assert not report["leak"] and report["not_sent"] > 0, report
+    assert "Testing retraction" in retract.log(), "no request was retracted"
 
 
 def test_aborts_and_a_failed_transfer_with_a_lent_prefix_leave_every_pool_back(servers):
