@@ -15,7 +15,7 @@ resident with how many positions and pages in its base class
 
 *Promotion* is the way back: a request decoding from a hot buffer whose whole KV fits in free rows,
 leaving the watermark and one more hot buffer free, takes rows of its own again; its caller
-(``decode/pressure.py``) closes its hot buffer first and loads its KV from host into the rows.
+(``decode/promotion.py``) closes its hot buffer first and loads its KV from host into the rows.
 
 Owned state (docs/design.md, "Ownership"): the per-request-slot resident flag ``flags`` (uint8
 [max_reqs] on the KV device, read by the resolver) and the positions each resident request has on
