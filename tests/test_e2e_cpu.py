@@ -6,7 +6,8 @@
   identical, every request stayed resident (no selection resolved from host) and every pool is
   back at its initial count.
 * Requests aborted mid-decode: afterwards every pool reports exactly its initial free count.
-* Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical.
+* Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical;
+  with shorter requests finishing early, the demoted request is promoted back (default interval).
 * The reuse replacement policy (``replacement: "reuse"``): outputs identical (full tier).
 * A deliberately wrong resolver (test-only fault switch) changes the outputs: the comparison
   can fail.
@@ -164,6 +165,27 @@ def test_residency_under_pressure_stays_identical_and_demotes_mid_decode(pressur
     assert report["admitted_resident"] == len(CONTEXTS) + 1 and report["demotions"] >= 1, report  # + warmup
     assert report["resident"] == 0 and not report["leak"], report
     assert report["misses"] > 0, "demoted requests miss and copy from host"
+
+
+def test_a_demoted_request_is_promoted_back_when_shorter_requests_finish(pressure_and_fault, baseline_outputs):
+    """The same pressure, with the three shortest requests stopping after 28 tokens: the longest
+    request is demoted at step 24 (as above), their rows come back at step 28, and at the next
+    promotion check (every 32 steps, the default) it takes rows of its own again (3072 rows, with
+    the watermark and one hot buffer still free). Outputs identical to the server without HiSparse
+    (their first tokens for the short requests), every pool back."""
+    from sglang_hisparse.serving.launcher import post_json
+
+    server = pressure_and_fault["pressure"]
+    new_tokens = [28, 28, 28] + [NEW_TOKENS] * (len(CONTEXTS) - 3)
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in new_tokens]
+    before = settle(server)
+    outputs = [o["output_ids"] for o in post_json(f"{server.url}/generate",
+                                                   {"input_ids": prompts(), "sampling_params": params}, 1800)]
+    assert outputs == [b[:n] for b, n in zip(baseline_outputs, new_tokens)]
+    report = wait_for_idle_report(server, after=before)
+    assert report["demotions"] >= 1 and report["promotions"] >= 1, report
+    assert report["resident"] == 0 and not report["leak"], report
+    assert "promoted from its hot buffer to rows of its own" in server.log()
 
 
 def test_a_broken_resolver_is_detected(pressure_and_fault, baseline_outputs):
