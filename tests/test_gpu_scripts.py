@@ -86,6 +86,8 @@ def test_e2e_config_syntax():
     assert resident["residency"] is True and resident["residency_watermark"] == e2e.RESIDENCY_WATERMARK
     assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: residency on
     assert json.loads(e2e.hisparse_config("ours_hot", 4096, 8))["residency"] is False
+    assert json.loads(e2e.hisparse_config("ours_nopromo", 4096, 8))["promotion_interval"] == 0
+    assert "promotion_interval" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: on
     for variant in ("ours_noio", "ours_reuse", "ours_map", "ours_noprefetch"):  # hot-buffer A/B points
         assert json.loads(e2e.hisparse_config(variant, 4096, 8))["residency"] is False, variant
     assert json.loads(e2e.hisparse_config("ours_reuse", 4096, 8))["replacement"] == "reuse"
