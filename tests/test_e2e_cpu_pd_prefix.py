@@ -158,6 +158,7 @@ def test_aborts_and_a_failed_transfer_with_a_lent_prefix_leave_every_pool_back(s
     assert time.time() - started >= WAITING_TIMEOUT_S * 0.9 and "timed out" in str(reason), reason
     report = wait_for_idle_report(pair.decode, after=before)
     assert not report["leak"] and report["cached"] >= 1024, report
+    assert report["not_sent"] >= held + 5 * 1024, "the failed request did not borrow the cached prefix"
     assert pair.generate(system + [7, 8, 9], 4)["output_ids"], "the server keeps serving"
 
 
