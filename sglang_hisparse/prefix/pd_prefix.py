@@ -4,10 +4,12 @@ SGLang 0.5.17's PD protocol lets a decode instance say how many leading tokens o
 already holds (``decode_prefix_len``, sent with the request's destination pages); the prefill
 instance then sends the KV pages from that token on (``start_send_idx``), and the indexer keys of
 the whole sequence as before. SGLang allows it with ``--disaggregation-decode-enable-radix-cache``
-and a device-resident tree; with HiSparse it refuses (three places, each opened by a seam of ours:
-``patches/pd_radix_validation.py``, ``patches/pd_prefix_match.py``, ``patches/pd_prefix_prealloc.py``;
-a fourth, ``patches/pd_prefix_budget.py``, counts what the tree can give back in the admission
-budget, as SGLang does for its own decode tree).
+and a device-resident tree; with HiSparse it refuses the flag at start-up and asserts no prefix in
+its HiSparse preallocation. Four seams of ours: ``patches/pd_radix_validation.py`` (the start-up
+refusal), ``patches/pd_prefix_match.py`` (our tree's match reported as held),
+``patches/pd_prefix_prealloc.py`` (the preallocation with a prefix) and
+``patches/pd_prefix_budget.py`` (what the tree can give back counted in the admission budget, as
+SGLang does for its own decode tree).
 
 Ours, per request (one owner per row, as in the colocated prefix reuse, ``prefix/host_tree.py``):
 
