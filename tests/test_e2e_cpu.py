@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from serving import settle, start, start_all, stop_soon
+from serving import settle, start, start_all, stop_now, stop_soon
 from sglang_hisparse.serving.launcher import abort_two_mid_decode, wait_for_idle_report
 
 pytestmark = pytest.mark.slow
@@ -69,8 +69,12 @@ def servers(logs):
 
 
 @pytest.fixture(scope="module")
-def pressure_and_fault(logs):
-    """Ours with residency under pressure (16384 device rows) and ours with the wrong-row fault."""
+def pressure_and_fault(logs, servers, baseline_outputs):
+    """Ours with residency under pressure (16384 device rows) and ours with the wrong-row fault.
+    The first three servers are stopped first: every test using them runs before these (file
+    order), the baseline's outputs are kept, and five CPU servers at once left a 24 GiB CI machine
+    under SGLang's 10 GiB host-memory reserve (the host pool's start-up check refused the fourth)."""
+    stop_now(servers.values())
     started = start_all(dict(spec("hisparse_residency", PRESSURE, max_total_tokens=16384), log_dir=logs),
                         dict(spec("hisparse_fault", HISPARSE, env={"SGLANG_HISPARSE_TEST_FAULT": "wrong_row"}), log_dir=logs))
     yield dict(zip(("pressure", "fault"), started))
