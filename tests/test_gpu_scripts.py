@@ -1198,3 +1198,49 @@ def test_prefix_bench_main_against_stand_in_servers(tmp_path, monkeypatch, capsy
     printed = capsys.readouterr().out
     assert "### multi-turn" in printed and "| ours_radix | 9 |" in printed and "ours_radix vs ours (9 requests)" in printed
     assert "exactness ours_radix vs none_radix: 9 / 9 identical" in printed
+
+
+def test_the_mixed_point_sends_one_new_token_count_per_prompt(tmp_path, monkeypatch):
+    """sweep --mixed: prompts in [context/4, context] and new tokens in [n/4, n], drawn per
+    request and reproducible by seed; the launcher sends one sampling-params object per prompt; a
+    mixed fragment's rows are never pooled with a uniform point's."""
+    import perf_report
+    import sweep
+
+    from sglang_hisparse.serving import launcher
+
+    args = sweep.build_parser().parse_args(["--mixed", "--context", "400", "--new-tokens", "40", "--out", "x"])
+    prompts, counts = sweep.level_batch(args, 16, seed=3)
+    assert len(prompts) == len(counts) == 16
+    assert all(100 <= len(p) <= 400 for p in prompts) and all(10 <= n <= 40 for n in counts)
+    assert len({len(p) for p in prompts}) > 8 and len(set(counts)) > 8  # really mixed
+    again, counts_again = sweep.level_batch(args, 16, seed=3)
+    assert again == prompts and counts_again == counts
+    uniform = sweep.build_parser().parse_args(["--context", "400", "--new-tokens", "40", "--out", "x"])
+    prompts_u, count_u = sweep.level_batch(uniform, 4, seed=3)
+    assert [len(p) for p in prompts_u] == [400] * 4 and count_u == 40
+
+    sent = []
+    monkeypatch.setattr(launcher, "post_json", lambda url, body, timeout: sent.append(body) or [])
+    server = launcher.Server(port=1, process=None, log_path=tmp_path / "log")
+    server.generate([[1, 2], [3]], [5, 7], top_k=1)
+    assert sent[-1]["sampling_params"] == [
+        {"temperature": 0.0, "ignore_eos": True, "top_k": 1, "max_new_tokens": 5},
+        {"temperature": 0.0, "ignore_eos": True, "top_k": 1, "max_new_tokens": 7}]
+    server.generate([[1, 2], [3]], 9)
+    assert sent[-1]["sampling_params"] == {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 9}
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        server.generate([[1, 2], [3]], [5])
+
+    def run(rate):
+        return {"decode_tok_s": rate, "tpot_ms": 1000 / rate, "max_running": 4, "miss_rate": 0.1}
+
+    for call, mixed in (("gpu_runU", False), ("gpu_runM", True)):
+        (tmp_path / call).mkdir()
+        data = {"model": "m", "layers": 2, "context": "100-400" if mixed else 400, "mixed": mixed,
+                "rows": [sweep.summarize("ours", "realistic", 4, [run(100.0 if mixed else 50.0)])]}
+        (tmp_path / call / "s.json").write_text(json.dumps(data))
+    perf = perf_report.merge([("gpu_runU/s.json", "u"), ("gpu_runM/s.json", "m")], results=tmp_path)
+    assert sorted((str(r["pressure"]), r["decode_tok_s"], r["runs_from"]) for r in perf["rows"]) == \
+        [("True", 50.0, ["gpu_runU"]), ("mixed", 100.0, ["gpu_runM"])]
+    assert len(perf_report.panels(perf["rows"])) == 2

@@ -122,7 +122,9 @@ def merge(fragments: list[tuple[str, str]], results: Path = RESULTS,
                    row["concurrency"],
                    data.get("kv_dtype", "bfloat16"),  # fragments before the fp8 option are bf16
                    data.get("speculative"),  # and those before speculation ran without it
-                   data.get("pressure", True))  # and those before the no-pressure point ran 32k-token requests
+                   # those before the no-pressure point ran 32k-token requests; a mixed-length point
+                   # (sweep --mixed) is its own pressure kind, never pooled with a uniform one
+                   "mixed" if data.get("mixed") else data.get("pressure", True))
             entry = pooled.setdefault(key, {"runs": [], "runs_from": [], "context": data["context"]})
             entry["runs"] += row["runs"]
             entry["runs_from"].append(run)
@@ -151,7 +153,7 @@ def panels(rows: list[dict]) -> dict[tuple, dict[tuple[str, str], list[dict]]]:
     point never joins a bf16 line, nor a no-pressure point a 32k-token one)."""
     out: dict[tuple, dict[tuple[str, str], list[dict]]] = {}
     order = sorted({(r["model"], r["kv_dtype"], r.get("pressure", True)) for r in rows},
-                   key=lambda k: (k[0] != HEADLINE_MODEL, k[0], k[1] != "bfloat16", k[1], not k[2]))
+                   key=lambda k: (k[0] != HEADLINE_MODEL, k[0], k[1] != "bfloat16", k[1], not k[2], str(k[2])))
     for key in order:
         series: dict[tuple[str, str], list[dict]] = {}
         for r in rows:
@@ -181,7 +183,8 @@ def plot(perf: dict, out: Path) -> None:
         ax.set_xlabel(f"concurrency ({context}-token requests)")
         ax.set_ylabel("decode tokens/s (median, min-max)")
         title = model if kv_dtype == "bfloat16" else f"{model}, {kv_dtype} KV"
-        ax.set_title(title if pressure else f"{title}, no memory pressure")
+        ax.set_title(f"{title}, mixed lengths" if pressure == "mixed"
+                     else title if pressure else f"{title}, no memory pressure")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -56,9 +56,10 @@ def layer_count(model: str) -> int:
     return json.loads((e2e.ROOT / "sglang_hisparse/models" / model / "config.json").read_text())["num_hidden_layers"]
 
 
-def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) -> dict:
-    """One call of ``batch`` with ``new_tokens`` greedy tokens; decode numbers from the log window
-    of this call, miss rate and bytes from our counters (ours only)."""
+def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int | list[int]) -> dict:
+    """One call of ``batch`` with ``new_tokens`` greedy tokens (one count, or one per prompt);
+    decode numbers from the log window of this call, miss rate and bytes from our counters (ours
+    only)."""
     ours = impl.startswith("ours")
     reports = len(server.idle_reports())
     before = scrape_metrics(server) if ours else {}
@@ -78,7 +79,8 @@ def measure(server: Server, impl: str, batch: list[list[int]], new_tokens: int) 
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         selected = delta.get("sglang_hisparse_selected_rows_total", 0.0)
         run["miss_rate"] = delta.get("sglang_hisparse_miss_rows_total", 0.0) / selected if selected else None
-        decode_s = len(batch) * new_tokens / run["decode_tok_s"]  # approximate: all decode tokens at the pure-step rate
+        total_new = sum(new_tokens) if isinstance(new_tokens, list) else len(batch) * new_tokens
+        decode_s = total_new / run["decode_tok_s"]  # approximate: all decode tokens at the pure-step rate
         run["io_gb_s"] = delta.get("sglang_hisparse_copied_bytes_total", 0.0) / decode_s / 1e9
         run["host_us_per_step"] = host_us
     return run
@@ -108,11 +110,26 @@ def no_pressure_lengths(concurrency: int, buffer: int, seed: int) -> list[int]:
     return [rng.randrange(buffer // 8, 3 * buffer // 8) for _ in range(concurrency)]
 
 
-def level_batch(args, concurrency: int, seed: int) -> list[list[int]]:
-    """The prompts of one run at ``concurrency``: ``--context`` tokens each, or the no-pressure mix."""
+def mixed_shapes(concurrency: int, context: int, new_tokens: int, seed: int) -> tuple[list[int], list[int]]:
+    """Prompt lengths and new-token counts of the mixed point: prompts uniform in
+    [context/4, context], new tokens uniform in [new_tokens/4, new_tokens], independent, so that
+    requests finish at different steps and give their device rows back while longer ones still
+    decode (the chance promotion needs; a uniform point frees rows only when all finish)."""
+    rng = random.Random(seed)
+    lengths = [rng.randint(context // 4, context) for _ in range(concurrency)]
+    counts = [rng.randint(max(1, new_tokens // 4), new_tokens) for _ in range(concurrency)]
+    return lengths, counts
+
+
+def level_batch(args, concurrency: int, seed: int) -> tuple[list[list[int]], int | list[int]]:
+    """The prompts and new-token counts of one run at ``concurrency``: ``--context`` tokens each
+    and ``--new-tokens``, the no-pressure mix, or the mixed point (``--mixed``)."""
     if args.no_pressure:
-        return e2e.prompts(no_pressure_lengths(concurrency, args.buffer, seed), seed=seed)
-    return e2e.prompts([args.context] * concurrency, seed=seed)
+        return e2e.prompts(no_pressure_lengths(concurrency, args.buffer, seed), seed=seed), args.new_tokens
+    if args.mixed:
+        lengths, counts = mixed_shapes(concurrency, args.context, args.new_tokens, seed)
+        return e2e.prompts(lengths, seed=seed), counts
+    return e2e.prompts([args.context] * concurrency, seed=seed), args.new_tokens
 
 
 def start_profile(server: Server, out_dir: Path, steps: int, timeout: float = 300) -> None:
@@ -129,9 +146,9 @@ def start_profile(server: Server, out_dir: Path, steps: int, timeout: float = 30
 def profile_level(server: Server, args, impl: str, concurrency: int, held: int, out_dir: Path) -> dict:
     """One more run at ``concurrency``, profiled for ``--profile-steps`` decode steps once ``held``
     requests decode together (steady state); the trace reduced by scripts/gpu/profile_summary.py."""
-    batch = level_batch(args, concurrency, seed=10 + concurrency)
+    batch, new_tokens = level_batch(args, concurrency, seed=10 + concurrency)
     log_start = len(server.log())
-    worker = threading.Thread(target=server.generate, args=(batch, args.new_tokens), daemon=True)
+    worker = threading.Thread(target=server.generate, args=(batch, new_tokens), daemon=True)
     worker.start()
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -172,8 +189,11 @@ def sweep(args) -> dict:
     profile_impls = set(args.profile_impls.split(",")) if args.profile_impls else set(IMPLS)
     result: dict = {"model": args.model, "layers": layers, "kv_dtype": args.kv_dtype,
                     "speculative": e2e.speculative_label(args.spec_steps),
-                    "context": f"{args.buffer // 8}-{3 * args.buffer // 8}" if args.no_pressure else args.context,
-                    "pressure": not args.no_pressure, "new_tokens": args.new_tokens,
+                    "context": (f"{args.buffer // 8}-{3 * args.buffer // 8}" if args.no_pressure
+                                else f"{args.context // 4}-{args.context}" if args.mixed else args.context),
+                    "pressure": not args.no_pressure, "mixed": args.mixed,
+                    "new_tokens": (f"{max(1, args.new_tokens // 4)}-{args.new_tokens}" if args.mixed
+                                   else args.new_tokens),
                     "max_total_tokens": args.max_total_tokens, "B": args.buffer, "ratio": args.ratio,
                     "locality_presets": LOCALITY_PRESETS, "rows": [], "layer_timing": [], "profiles": [], "skipped": []}
     t_start = time.time()
@@ -215,7 +235,7 @@ def sweep(args) -> dict:
         if left() < args.level_margin_s:
             result["skipped"].append(f"{impl}:{locality} c={c} repeat {repeat} (time budget)")
             return None
-        return measure(server, impl, level_batch(args, c, seed=10 + c), args.new_tokens)
+        return measure(server, impl, *level_batch(args, c, seed=10 + c))
 
     def finish_level(server: Server, impl: str, locality: str, c: int, runs: list[dict]) -> None:
         if not runs:
@@ -293,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pressure", action="store_true",
                    help="the no-pressure point: prompts uniform in [B/8, 3B/8] instead of --context (shorter than B "
                         "with their new tokens; 128 of them fit the default pool)")
+    p.add_argument("--mixed", action="store_true",
+                   help="the mixed point: prompts uniform in [context/4, context] and new tokens in "
+                        "[new-tokens/4, new-tokens], so requests finish at different steps (promotion's chance)")
     p.add_argument("--interleave", action="store_true",
                    help="start every point's server at once and run each repeat of a level on each server in turn "
                         "(paired runs: host drift hits every server alike; set --mem-fraction so they fit together)")
@@ -324,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
+    if args.mixed and args.no_pressure:
+        raise SystemExit("--mixed and --no-pressure choose different prompt shapes: pass one of them")
     result = sweep(args)
     result["command"] = " ".join(["python", "scripts/gpu/sweep.py"] + sys.argv[1:])
     Path(args.out).write_text(json.dumps(result, indent=1))

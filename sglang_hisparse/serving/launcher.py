@@ -101,13 +101,22 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def generate(
-        self, input_ids: Any, max_new_tokens: int, timeout: float = 1800, rid: Optional[str] = None, **sampling: Any
+        self, input_ids: Any, max_new_tokens: int | list[int], timeout: float = 1800, rid: Optional[str] = None,
+        **sampling: Any
     ) -> Any:
         """POST /generate with token ids (one list or a list of lists); greedy by default.
-        ``rid`` names the request (for /abort_request); other keywords are sampling params."""
-        params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-        params.update(sampling)
-        body = {"input_ids": input_ids, "sampling_params": params}
+        ``max_new_tokens`` is one count for every prompt, or a list with one count per prompt
+        (sent as one sampling-params object per prompt). ``rid`` names the request (for
+        /abort_request); other keywords are sampling params."""
+        params = {"temperature": 0.0, "ignore_eos": True, **sampling}
+        if isinstance(max_new_tokens, list):
+            if not isinstance(input_ids, list) or len(max_new_tokens) != len(input_ids) or not input_ids \
+                    or not isinstance(input_ids[0], list):
+                raise ValueError("max_new_tokens: a list needs a list of prompts of the same length")
+            per_prompt: Any = [{**params, "max_new_tokens": n} for n in max_new_tokens]
+        else:
+            per_prompt = {**params, "max_new_tokens": max_new_tokens}
+        body = {"input_ids": input_ids, "sampling_params": per_prompt}
         if rid is not None:
             body["rid"] = rid
         return post_json(f"{self.url}/generate", body, timeout)
