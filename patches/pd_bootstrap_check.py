@@ -7,7 +7,7 @@ decode instance without ``bootstrap_host`` (a client that bypassed the PD router
 in the scheduler's event loop, and the whole server dies. ``bootstrap_port`` has a default (the
 server's own bootstrap port); the host and the room have none.
 
-Ours: on a server with our HiSparse coordinator, a new request (not a retracted one coming back)
+Ours: on a server with our HiSparse coordinator (DSA or DeepSeek-V4), a new request (not a retracted one coming back)
 without ``bootstrap_host`` or ``bootstrap_room`` is aborted with HTTP 400 and a one-line reason,
 the way ``add`` itself refuses a request larger than the pool (``prepare_abort`` and
 ``stream_output``); it takes nothing from any pool. Other requests and servers run SGLang's code
@@ -20,6 +20,7 @@ import logging
 from http import HTTPStatus
 from typing import Any, Callable, Optional
 
+from sglang_hisparse.decode.c4_coordinator import C4Coordinator
 from sglang_hisparse.decode.coordinator import HiSparseCoordinator
 
 TARGET = "sglang.srt.disaggregation.decode.DecodePreallocQueue.add"
@@ -40,7 +41,8 @@ def missing_bootstrap(req: Any) -> Optional[str]:
 
 def add(original: Callable[..., Any], queue: Any, req: Any, is_retracted: bool = False, **kwargs: Any) -> Any:
     coordinator = getattr(queue.scheduler, "hisparse_coordinator", None)
-    problem = None if is_retracted or not isinstance(coordinator, HiSparseCoordinator) else missing_bootstrap(req)
+    ours = isinstance(coordinator, (HiSparseCoordinator, C4Coordinator))
+    problem = None if is_retracted or not ours else missing_bootstrap(req)
     if problem is None:
         return original(queue, req, is_retracted=is_retracted, **kwargs)
     from sglang.srt.disaggregation.utils import prepare_abort

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 def read_settings(server_args: Any) -> ServerSettings:
     from sglang.srt.configs.model_config import is_deepseek_dsa, is_deepseek_v4
+    from sglang.srt.environ import envs
 
     hf_config = server_args.get_model_config().hf_config
     architectures = getattr(hf_config, "architectures", None) or ["?"]
@@ -63,6 +64,8 @@ def read_settings(server_args: Any) -> ServerSettings:
         enable_multi_layer_eagle=bool(server_args.enable_multi_layer_eagle),
         disable_overlap_schedule=bool(server_args.disable_overlap_schedule),
         enable_hierarchical_cache=bool(server_args.enable_hierarchical_cache),
+        disaggregation_transfer_backend=str(server_args.disaggregation_transfer_backend),
+        test_retract=bool(envs.SGLANG_TEST_RETRACT.get()),
     )
 
 

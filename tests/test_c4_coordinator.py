@@ -16,10 +16,12 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.decode.c4_coordinator import C4Coordinator
+from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_allocator import C4Allocator, completed_entry_ids
 from sglang_hisparse.memory.paging import PageAllocator
 from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
@@ -100,6 +102,38 @@ class Rig:
         req = SimpleNamespace(req_pool_idx=idx, rid=f"r{idx}", extend_range=SimpleNamespace(end=tokens),
                               kv=SimpleNamespace(kv_allocated_len=tokens))
         self.coord.admit_request_into_staging(req)
+        return req
+
+    def pd_admit(self, idx: int, tokens: int, *, arrive: bool = True):
+        """A PD decode instance's part, as SGLang 0.5.17 plays it (disaggregation/decode.py): token
+        ids only, host rows for ``host_token_len`` entries from ``mem_pool_host``; then the transfer
+        writes the prefill's C4 pages (FlashMLA layout) into the host pages ``rows[::64] // 64``,
+        every layer (what Mooncake does with ``get_contiguous_buf_infos``), and the request is
+        admitted. ``arrive=False``: the transfer never comes (the request is only preallocated)."""
+        self.truth[idx] = torch.randint(0, 256, (LAYERS, MAX_TOKENS // 4, C4_ITEM_BYTES), dtype=torch.uint8,
+                                        generator=self.gen)
+        z, n = torch.tensor([0]), torch.tensor([tokens])
+        ids = self.alloc.alloc_logical_only(z, z, n, n, torch.tensor([-1]), tokens)
+        assert ids is not None
+        self.rtt[idx, :tokens] = ids.to(torch.int32)
+        entries = self.coord.host_token_len(tokens)
+        host = self.coord.mem_pool_host.alloc_paged_token_slots(
+            self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, idx, 0, entries)
+        assert host.numel() == entries
+        req = SimpleNamespace(req_pool_idx=idx, rid=f"pd{idx}", extend_range=SimpleNamespace(end=tokens),
+                              kv=SimpleNamespace(kv_allocated_len=tokens))
+        if not arrive:
+            return req
+        pages = host[::C4_PAGE_ENTRIES] // C4_PAGE_ENTRIES
+        ptrs, lens, items = self.coord.mem_pool_host.get_contiguous_buf_infos()
+        assert items == [C4_PAGE_BYTES] * LAYERS and len(ptrs) == LAYERS
+        for layer in range(LAYERS):
+            prefill_pages = torch.zeros(pages.numel() + 1, C4_PAGE_BYTES, dtype=torch.uint8)
+            C4PagedRows(prefill_pages).write(torch.arange(entries) + C4_PAGE_ENTRIES, self.truth[idx][layer, :entries])
+            destination = self.coord.mem_pool_host.kv_buffer[layer]
+            assert destination.data_ptr() == ptrs[layer] and destination.nbytes == lens[layer]
+            destination[pages] = prefill_pages[1:]
+        self.coord.admit_request_direct(req)
         return req
 
     def step(self, reqs: list) -> None:
@@ -199,3 +233,67 @@ def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world):
     assert stats.host_tokens == 320 and stats.device_tokens == rig.coord.padded_buffer_size
     assert rig.coord.device_rows_short([0], [1030]) == 0
     rig.finish(req)
+
+
+def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_back(gloo_world):
+    """PD decode (SGLang's direct-to-host path): requests of 0 to 725 entries, short (every entry
+    loaded into its slot), crossing B while decoding, and long (empty buffer but the newest entry in
+    slot B), decoding beside a colocated one: every selected entry's bytes are the transferred
+    ones in every layer and step; every pool is back at the end."""
+    rig = Rig(seed=11, tp_group=gloo_world)
+    colocated = rig.prefill(0, 700)
+    rig.coord.collect_ready_reqs()
+    lengths = [3, 64, 4 * B - 6, 515, 2900]
+    reqs = [rig.pd_admit(i + 1, n) for i, n in enumerate(lengths)]
+    assert not rig.coord.has_ongoing_staging()
+    rig.check_layers([colocated, *reqs])
+    for _ in range(14):
+        rig.step([colocated, *reqs])
+    for r in reqs[:2]:
+        rig.finish(r)
+    for _ in range(5):
+        rig.step([colocated, *reqs[2:]])
+    for r in (colocated, *reqs[2:]):
+        rig.finish(r)
+    assert rig.free_counts() == rig.initial
+    assert "leak=no" in rig.coord.idle_report()
+
+
+def test_a_long_pd_request_reads_its_newest_entry_before_the_next_one_completes(gloo_world):
+    """The newest transferred entry (E - 1) is read from slot B from the first step, whatever the
+    step's phase (upstream leaves that slot stale for up to 3 steps, docs/deepseek_v4/upstream-contract.md H4)."""
+    for tokens in (4 * (B + 40), 4 * (B + 40) + 1, 4 * (B + 40) + 3):
+        rig = Rig(seed=tokens, tp_group=gloo_world)
+        req = rig.pd_admit(0, tokens)
+        E = tokens // 4
+        top = torch.full((1, TOP_K), -1, dtype=torch.int32)
+        top[0, 0] = E - 1
+        rig.coord.num_real_reqs.fill_(1)
+        for layer in range(LAYERS):
+            rows = rig.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([E], dtype=torch.int32), top, layer)
+            got = C4PagedRows(rig.tokens.c4_pool.kv_buffer[layer]).read(rows[0, :1].long())
+            assert torch.equal(got, rig.truth[0][layer, E - 1:E]), (tokens, layer)
+        for _ in range(3):
+            rig.step([req])
+        rig.finish(req)
+        assert rig.free_counts() == rig.initial
+
+
+def test_a_pd_request_whose_transfer_never_comes_gives_its_host_rows_back(gloo_world):
+    """Preallocated (token ids, host rows), then aborted or failed before admission: SGLang calls
+    ``request_finished`` and frees the ids; nothing stays behind. SGLang's PD budget (free C4 rows
+    // ``padded_buffer_size``) counts hot buffers; admitting past it is refused by name."""
+    rig = Rig(seed=13, tp_group=gloo_world)
+    req = rig.pd_admit(0, 1500, arrive=False)
+    assert rig.coord.mirror.pool.available_size() < rig.initial[2]
+    rig.finish(req)
+    assert rig.free_counts() == rig.initial
+    padded = rig.coord.padded_buffer_size
+    assert rig.alloc.hisparse_attn_allocator.available_size() // padded == 2048 // padded
+    taken = rig.alloc.c4.rows.pages.alloc_pages((2048 - padded) // C4_PAGE_ENTRIES + 1)  # other users' rows
+    assert rig.alloc.hisparse_attn_allocator.available_size() // padded == 0
+    with pytest.raises(HiSparsePluginError, match="no C4 rows for the hot buffer of request pd1"):
+        rig.pd_admit(1, 4 * (B + 10))
+    rig.alloc.c4.rows.pages.free_pages_(taken)
+    rig.finish(SimpleNamespace(req_pool_idx=1, kv=SimpleNamespace(kv_allocated_len=4 * (B + 10))))
+    assert rig.free_counts() == rig.initial

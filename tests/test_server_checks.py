@@ -67,8 +67,9 @@ V4 = dataclasses.replace(GOOD, architecture="DeepseekV4ForCausalLM", is_deepseek
                          kv_cache_dtype="fp8_e4m3", dsa_prefill_backend=None, dsa_decode_backend=None)
 
 
-def test_deepseek_v4_is_served_colocated():
+def test_deepseek_v4_is_served_colocated_and_on_a_mooncake_pd_decode_instance():
     check_server_settings(V4)
+    check_server_settings(dataclasses.replace(V4, disaggregation_mode="decode"))
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,9 @@ def test_deepseek_v4_is_served_colocated():
         (dict(enable_mixed_chunk=True), "--enable-mixed-chunk is not supported"),
         (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1),
          "--speculative-algorithm=EAGLE with DeepSeek-V4 is not supported"),
-        (dict(disaggregation_mode="decode"), "--disaggregation-mode=decode with DeepSeek-V4 is not supported"),
+        (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl"),
+         "--disaggregation-transfer-backend=nixl is not supported (allowed: mooncake"),
+        (dict(disaggregation_mode="decode", test_retract=True), "SGLANG_TEST_RETRACT is not supported"),
         (dict(disaggregation_mode="prefill"), "--disaggregation-mode=prefill is not supported"),
         (dict(pp_size=2), "--pp-size=2"),
         (dict(dcp_size=2), "--dcp-size=2"),
@@ -178,6 +181,7 @@ def _launcher_view(config: str, **overrides):
         enable_prefill_cp=False, disaggregation_mode="null", enable_unified_memory=False,
         speculative_eagle_topk=None, speculative_num_draft_tokens=None, speculative_adaptive=False,
         enable_multi_layer_eagle=False, disable_overlap_schedule=False, enable_hierarchical_cache=False,
+        disaggregation_transfer_backend="mooncake",
         get_model_config=lambda: model,
     )
     values.update(overrides)

@@ -21,9 +21,14 @@ Design (ours; the parts are the DSA path's where they fit):
   forward after ordered behind it: ``wait_for_pending_backup``);
 * each C4 layer's top-k entries are resolved by our kernel on C4 rows (``RowLayout<584>``).
 
+* PD decode (``admit_request_direct``): the prefill instance writes the entries into host rows
+  SGLang allocates here (``mem_pool_host.alloc_paged_token_slots`` with ``host_token_len``, page
+  ids of 64 entries over Mooncake); the request then gets a hot buffer of new rows, loaded from
+  host (all entries when ``E <= B``, else only the newest, into slot ``B``).
+
 Residency (a request keeping all its rows while the device has room, the DSA default) is not
-implemented for C4 entries yet: every request is in a hot buffer, said once at start-up. PD
-(``admit_request_direct``) and speculative steps are refused (the server checks refuse them first).
+implemented for C4 entries yet: every request is in a hot buffer, said once at start-up.
+Speculative steps are refused (the server checks refuse them first).
 """
 
 from __future__ import annotations
@@ -168,8 +173,29 @@ class C4Coordinator:
             self.mirror.load(idx, torch.tensor([E - 1]), self.hot.slot_rows[idx, B:B + 1].to(torch.int64))
 
     def admit_request_direct(self, req) -> None:
-        raise HiSparsePluginError("sglang-hisparse: PD disaggregation with DeepSeek-V4 is not supported yet "
-                                  "(the server checks refuse it at start-up)")
+        """PD decode: the prefill instance wrote the request's completed entries into the host
+        rows SGLang allocated for it (``alloc_paged_token_slots``, ``host_token_len``); its
+        entries' compressed ids are logical only (no C4 row). It gets a hot buffer of new rows:
+        with ``E <= B`` entries, all of them are loaded from host (slot ``p`` holds entry ``p``);
+        a longer request starts empty except for its newest entry, loaded into slot ``B`` (where
+        the resolver reads entry ``E - 1`` until the next entry completes), so no slot is ever
+        read before it holds its entry. Raises HiSparsePluginError when the rows are not free
+        (SGLang's PD admission budget, free rows // ``padded_buffer_size``, should prevent it)."""
+        self._busy = True
+        idx, E, B = req.req_pool_idx, self.host_token_len(req.kv.kv_allocated_len), self.hot.buffer_size
+        self.mirror.mark_transferred(idx, E)
+        if E == 0:
+            self.hot.open_empty(idx)
+            return
+        rows = self.hot.open(idx, self._entries(req, req.kv.kv_allocated_len), filled=E <= B, mapped=False)
+        if rows is None:
+            raise HiSparsePluginError(
+                f"sglang-hisparse: no C4 rows for the hot buffer of request {req.rid} ({self.allocator.debug_print()}); "
+                "the PD admission budget should prevent this")
+        if E <= B:
+            self.mirror.load(idx, torch.arange(E), rows[:E])
+        else:
+            self.mirror.load(idx, torch.tensor([E - 1]), self.hot.slot_rows[idx, B:B + 1].to(torch.int64))
 
     # --- decode steps --------------------------------------------------------------------------
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_host_pool import C4HostPool
 from sglang_hisparse.memory.copy_lane import CopyLane, Fence, order_current_after
 from sglang_hisparse.memory.staging import StagingQueue
@@ -58,6 +59,16 @@ class C4Mirror:
         self.staging.submit(req, lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
                             reads=(device_rows, host_rows))
         self.mirrored[idx] = n
+
+    def mark_transferred(self, idx: int, entries: int) -> None:
+        """PD decode: request slot ``idx``'s first ``entries`` entries were written into its host
+        rows by the prefill instance (SGLang allocated them, ``alloc_paged_token_slots``): they
+        count as mirrored. Raises HiSparsePluginError when fewer rows were allocated."""
+        if int(self.rows_allocated[idx]) < entries:
+            raise HiSparsePluginError(
+                f"sglang-hisparse: request slot {idx} received {entries} C4 entries but holds "
+                f"{int(self.rows_allocated[idx])} host rows")
+        self.mirrored[idx] = entries
 
     def staged_count(self) -> int:
         return len(self.staging)

@@ -47,6 +47,9 @@ class ServerSettings:
     enable_multi_layer_eagle: bool = False
     disable_overlap_schedule: bool = False
     enable_hierarchical_cache: bool = False
+    disaggregation_transfer_backend: str = "mooncake"
+    test_retract: bool = False
+    """``SGLANG_TEST_RETRACT``: SGLang retracts requests on purpose every few decode steps."""
 
 
 def check_server_settings(s: ServerSettings) -> None:
@@ -109,7 +112,7 @@ def _check_prefix_reuse(s: ServerSettings) -> None:
 
 def _check_deepseek_v4(s: ServerSettings) -> None:
     """DeepSeek-V4 (its C4 layers' entries go through HiSparse; SGLang picks its attention
-    backend and KV dtype itself): colocated serving without speculation."""
+    backend and KV dtype itself): colocated serving or a PD decode instance, without speculation."""
     if not s.disable_radix_cache:
         raise HiSparseConfigError(
             "--enable-hisparse with DeepSeek-V4 requires --disable-radix-cache (prefix reuse serves DSA models only)")
@@ -122,12 +125,28 @@ def _check_deepseek_v4(s: ServerSettings) -> None:
             f"--enable-hisparse: --speculative-algorithm={s.speculative_algorithm} with DeepSeek-V4 is not "
             "supported (SGLang 0.5.17 does not call HiSparse from V4's draft and verify steps): leave it unset")
     if s.disaggregation_mode == "decode":
-        raise HiSparseConfigError(
-            "--enable-hisparse: --disaggregation-mode=decode with DeepSeek-V4 is not supported by sglang-hisparse "
-            "yet (allowed: --disaggregation-mode null)")
+        _check_deepseek_v4_pd_decode(s)
     if s.pp_size != 1:
         raise HiSparseConfigError(f"--enable-hisparse: --pp-size={s.pp_size} is not supported (must be 1)")
     _check_parallel_layout(s)
+
+
+def _check_deepseek_v4_pd_decode(s: ServerSettings) -> None:
+    """A DeepSeek-V4 PD decode instance: the prefill writes the C4 entries into our host rows
+    (``C4Coordinator.admit_request_direct``). SGLang 0.5.17 sends them that way over Mooncake only
+    (its decode path raises for any other backend when the first request arrives), and cannot
+    retract a V4 request on a decode instance at all (it would take a CPU copy of the V4 pool,
+    which SGLang does not implement, with or without HiSparse), so its test switch that retracts
+    on purpose is refused here rather than crashing the scheduler later."""
+    if s.disaggregation_transfer_backend != "mooncake":
+        raise HiSparseConfigError(
+            f"--enable-hisparse with DeepSeek-V4 on a PD decode instance: --disaggregation-transfer-backend="
+            f"{s.disaggregation_transfer_backend} is not supported (allowed: mooncake; SGLang 0.5.17 writes V4's "
+            "C4 KV straight into the host pool over Mooncake only)")
+    if s.test_retract:
+        raise HiSparseConfigError(
+            "--enable-hisparse with DeepSeek-V4 on a PD decode instance: SGLANG_TEST_RETRACT is not supported "
+            "(SGLang 0.5.17 cannot retract a V4 request on a decode instance: its V4 pool has no CPU copy): unset it")
 
 
 def _check_speculation(s: ServerSettings) -> None:
