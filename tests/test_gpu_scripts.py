@@ -1244,3 +1244,27 @@ def test_the_mixed_point_sends_one_new_token_count_per_prompt(tmp_path, monkeypa
     assert sorted((str(r["pressure"]), r["decode_tok_s"], r["runs_from"]) for r in perf["rows"]) == \
         [("True", 50.0, ["gpu_runU"]), ("mixed", 100.0, ["gpu_runM"])]
     assert len(perf_report.panels(perf["rows"])) == 2
+
+
+def test_v4_pd_script_builds_one_prefill_and_a_decode_instance_per_entry():
+    """scripts/gpu/v4_pd.py (run.sh job v4pd): the decode list names its allowed values; every
+    decode instance is a Mooncake PD decode of tiny-dsv4 with its own B; upstream loads only our
+    dummy-weights plugin; the prefill and the baseline run without HiSparse."""
+    import v4_pd
+
+    assert v4_pd.parse_decodes("ours,ours@4096,upstream") == [("ours", None), ("ours", 4096), ("upstream", None)]
+    with pytest.raises(ValueError, match="none, upstream, ours"):
+        v4_pd.parse_decodes("mine")
+    args = v4_pd.parse_args(["--decodes", "ours@2048,upstream", "--out", "/tmp/x.json"])
+    specs = v4_pd.server_specs(args, bootstrap_port=4321)
+    assert list(specs) == ["colocated_none", "prefill", "decode_ours_B2048", "decode_upstream"]
+    assert specs["colocated_none"]["hisparse_config"] is None and "--disaggregation-mode" not in specs["colocated_none"]["extra_args"]
+    prefill = specs["prefill"]["extra_args"]
+    assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill" and "4321" in prefill
+    ours = specs["decode_ours_B2048"]
+    assert ours["extra_args"][ours["extra_args"].index("--disaggregation-mode") + 1] == "decode"
+    assert json.loads(ours["hisparse_config"])["device_buffer_size"] == 2048
+    assert specs["decode_upstream"]["env"]["SGLANG_PLUGINS"] == "hisparse_dummy_init"
+    assert "SGLANG_PLUGINS" not in ours["env"] and ours["env"]["SGLANG_TOPK_TRANSFORM_512_TORCH"] == "1"
+    with pytest.raises(SystemExit):
+        v4_pd.parse_args(["--concurrent", "2", "--abort", "3"])

@@ -69,7 +69,8 @@ V4 = dataclasses.replace(GOOD, architecture="DeepseekV4ForCausalLM", is_deepseek
 
 def test_deepseek_v4_is_served_colocated_and_on_a_mooncake_pd_decode_instance():
     check_server_settings(V4)
-    check_server_settings(dataclasses.replace(V4, disaggregation_mode="decode"))
+    for backend in ("mooncake", "mooncake_tcp", "fake"):
+        check_server_settings(dataclasses.replace(V4, disaggregation_mode="decode", disaggregation_transfer_backend=backend))
 
 
 @pytest.mark.parametrize(
@@ -80,7 +81,7 @@ def test_deepseek_v4_is_served_colocated_and_on_a_mooncake_pd_decode_instance():
         (dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1),
          "--speculative-algorithm=EAGLE with DeepSeek-V4 is not supported"),
         (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl"),
-         "--disaggregation-transfer-backend=nixl is not supported (allowed: mooncake"),
+         "--disaggregation-transfer-backend=nixl is not supported (allowed: mooncake, mooncake_tcp, fake"),
         (dict(disaggregation_mode="decode", test_retract=True), "SGLANG_TEST_RETRACT is not supported"),
         (dict(disaggregation_mode="prefill"), "--disaggregation-mode=prefill is not supported"),
         (dict(pp_size=2), "--pp-size=2"),

@@ -35,6 +35,10 @@
 #   job = v4probe -> python scripts/gpu/v4_probe.py [args...]   (SGLang's DeepSeek-V4 on tiny-dsv4: no
 #                    HiSparse vs SGLang's own, token by token, $OUT/v4probe.json; carry .site/v4.tar.xz,
 #                    docs/deepseek_v4/gpu-probe.md)
+#   job = v4pd    -> python scripts/gpu/v4_pd.py [args...]   (DeepSeek-V4 on a PD decode instance, Mooncake TCP:
+#                    ours and SGLang's HiSparse against no HiSparse, token by token, aborts, pools;
+#                    $OUT/v4pd.json; needs .site/pd.tar.xz and the V4 site, carried now or extracted by an
+#                    earlier call on the same warm machine)
 #   job = prefix  -> python scripts/gpu/prefix_bench.py [args...]   (prefix reuse, issue 43: ours with the radix
 #                    cache against ours without it, SGLang's HiSparse and no HiSparse with it; multi-turn and
 #                    shared-prefix workloads, TTFT, tok/s, exactness, pools; $OUT/prefix.json;
@@ -141,6 +145,7 @@ run_job() {
     demo) python3 -m sglang_hisparse.tools.demo --log-dir /tmp/e2e_logs/demo "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     probe) run_probe "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     v4probe) python3 scripts/gpu/v4_probe.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
+    v4pd) python3 scripts/gpu/v4_pd.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     prefix) python3 scripts/gpu/prefix_bench.py "$@" 2>&1 | tee -a "$OUT/run.log" ;;
     *) log "unknown job $job"; return 2 ;;
   esac

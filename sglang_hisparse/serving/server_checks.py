@@ -131,6 +131,11 @@ def _check_deepseek_v4(s: ServerSettings) -> None:
     _check_parallel_layout(s)
 
 
+V4_PD_TRANSFER_BACKENDS = ("mooncake", "mooncake_tcp", "fake")
+"""What SGLang 0.5.17's V4 direct-to-host path accepts: Mooncake (``mooncake_tcp`` is Mooncake over
+TCP, renamed by SGLang's PD argument hook) and its ``fake`` backend (no KV moves: benchmarks)."""
+
+
 def _check_deepseek_v4_pd_decode(s: ServerSettings) -> None:
     """A DeepSeek-V4 PD decode instance: the prefill writes the C4 entries into our host rows
     (``C4Coordinator.admit_request_direct``). SGLang 0.5.17 sends them that way over Mooncake only
@@ -138,11 +143,11 @@ def _check_deepseek_v4_pd_decode(s: ServerSettings) -> None:
     retract a V4 request on a decode instance at all (it would take a CPU copy of the V4 pool,
     which SGLang does not implement, with or without HiSparse), so its test switch that retracts
     on purpose is refused here rather than crashing the scheduler later."""
-    if s.disaggregation_transfer_backend != "mooncake":
+    if s.disaggregation_transfer_backend not in V4_PD_TRANSFER_BACKENDS:
         raise HiSparseConfigError(
             f"--enable-hisparse with DeepSeek-V4 on a PD decode instance: --disaggregation-transfer-backend="
-            f"{s.disaggregation_transfer_backend} is not supported (allowed: mooncake; SGLang 0.5.17 writes V4's "
-            "C4 KV straight into the host pool over Mooncake only)")
+            f"{s.disaggregation_transfer_backend} is not supported (allowed: {', '.join(V4_PD_TRANSFER_BACKENDS)}; "
+            "SGLang 0.5.17 writes V4's C4 KV straight into the host pool over Mooncake only)")
     if s.test_retract:
         raise HiSparseConfigError(
             "--enable-hisparse with DeepSeek-V4 on a PD decode instance: SGLANG_TEST_RETRACT is not supported "
