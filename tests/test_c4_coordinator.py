@@ -66,12 +66,14 @@ class Tokens:
 class Rig:
     """Allocator, coordinator and the model stand-in's truth: entry bytes per (request, layer)."""
 
-    def __init__(self, seed: int, tp_group):
+    def __init__(self, seed: int, tp_group, residency: bool = True, **config_keys):
+        """``residency`` (the default configuration's) and other config keys."""
         self.rng = random.Random(seed)
         self.tokens = Tokens(1 << 15, 2048)
         self.alloc = C4Allocator(self.tokens, debug=True)
         self.rtt = torch.zeros(MAX_REQS, MAX_TOKENS, dtype=torch.int32)
-        config = HiSparseConfig(top_k=TOP_K, device_buffer_size=B, resolver="reference", residency=False)
+        config = HiSparseConfig(top_k=TOP_K, device_buffer_size=B, resolver="reference", residency=residency,
+                                **config_keys)
         self.coord = C4Coordinator(SimpleNamespace(req_to_token=self.rtt), self.alloc, TOP_K, B, "cpu", tp_group,
                                    host_to_device_ratio=4, config=config, pin_memory=False)
         self.truth: dict[int, torch.Tensor] = {}
@@ -175,8 +177,9 @@ class Rig:
         self.alloc.free(self.rtt[req.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64))
 
 
-def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(gloo_world):
-    rig = Rig(seed=3, tp_group=gloo_world)
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(gloo_world, residency):
+    rig = Rig(seed=3, tp_group=gloo_world, residency=residency)
     lengths = [2, 9, 515, 600, 2203, 2900]  # 0 .. 725 entries: empty, fast path, crossing B, long
     reqs = [rig.prefill(i, n) for i, n in enumerate(lengths)]
     assert rig.coord.has_ongoing_staging()
@@ -194,12 +197,15 @@ def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(g
     assert rig.free_counts() == rig.initial
     line = rig.coord.idle_report()
     assert "leak=no" in line and "c4_rows_free=2048/2048" in line and rig.coord.idle_report() is None
+    # every request with an entry stays resident (rows to spare); the one without opens a buffer
+    assert ("admitted_resident=5 demotions=0" in line) if residency else ("resident=" not in line), line
 
 
-def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world):
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world, residency):
     """From the fast path (E <= B) into the long path: the entry B lands in slot B, older entries
     are then read from their slots or from host."""
-    rig = Rig(seed=5, tp_group=gloo_world)
+    rig = Rig(seed=5, tp_group=gloo_world, residency=residency)
     req = rig.prefill(0, 4 * B - 6)  # B - 2 entries; entry B completes 10 steps later
     rig.coord.collect_ready_reqs()
     for _ in range(40):
@@ -209,8 +215,9 @@ def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world):
     assert rig.free_counts() == rig.initial
 
 
-def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_world):
-    rig = Rig(seed=7, tp_group=gloo_world)
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_world, residency):
+    rig = Rig(seed=7, tp_group=gloo_world, residency=residency)
     staged = rig.prefill(0, 1000)
     rig.finish(staged)  # aborted while its copy to host is queued
     at_prefill = rig.prefill(1, 300)
@@ -223,24 +230,27 @@ def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_wor
     assert rig.free_counts() == rig.initial
 
 
-def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world):
-    rig = Rig(seed=9, tp_group=gloo_world)
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world, residency):
+    rig = Rig(seed=9, tp_group=gloo_world, residency=residency)
     req = rig.prefill(0, 1030)
     assert rig.coord.host_token_len(1030) == 257
     assert int(rig.coord.req_to_host_pool_allocated_len[0]) == 320  # whole pages of 64 entries
     rig.coord.collect_ready_reqs()
     stats = rig.coord.get_token_stats()
-    assert stats.host_tokens == 320 and stats.device_tokens == rig.coord.padded_buffer_size
+    # resident: its five pages of prefill rows; else a hot buffer
+    assert stats.host_tokens == 320 and stats.device_tokens == (320 if residency else rig.coord.padded_buffer_size)
     assert rig.coord.device_rows_short([0], [1030]) == 0
     rig.finish(req)
 
 
-def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_back(gloo_world):
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_back(gloo_world, residency):
     """PD decode (SGLang's direct-to-host path): requests of 0 to 725 entries, short (every entry
     loaded into its slot), crossing B while decoding, and long (empty buffer but the newest entry in
     slot B), decoding beside a colocated one: every selected entry's bytes are the transferred
     ones in every layer and step; every pool is back at the end."""
-    rig = Rig(seed=11, tp_group=gloo_world)
+    rig = Rig(seed=11, tp_group=gloo_world, residency=residency)
     colocated = rig.prefill(0, 700)
     rig.coord.collect_ready_reqs()
     lengths = [3, 64, 4 * B - 6, 515, 2900]
@@ -296,4 +306,89 @@ def test_a_pd_request_whose_transfer_never_comes_gives_its_host_rows_back(gloo_w
         rig.pd_admit(1, 4 * (B + 10))
     rig.alloc.c4.rows.pages.free_pages_(taken)
     rig.finish(SimpleNamespace(req_pool_idx=1, kv=SimpleNamespace(kv_allocated_len=4 * (B + 10))))
+    assert rig.free_counts() == rig.initial
+
+
+def read_newest(rig: Rig, req) -> None:
+    """Select only each request's newest entry ``E - 1`` in every layer: its bytes must be the
+    truth (a hot buffer reads it in slot B, a resident request in its own row)."""
+    E = req.kv.kv_allocated_len // 4
+    top = torch.full((1, TOP_K), -1, dtype=torch.int32)
+    top[0, 0] = E - 1
+    rig.coord.num_real_reqs.fill_(1)
+    for layer in range(LAYERS):
+        rows = rig.coord.swap_in_selected_pages(torch.tensor([req.req_pool_idx]), torch.tensor([E], dtype=torch.int32),
+                                                top, layer)
+        got = C4PagedRows(rig.tokens.c4_pool.kv_buffer[layer]).read(rows[0, :1].long())
+        assert torch.equal(got, rig.truth[req.req_pool_idx][layer, E - 1:E]), (req.rid, layer)
+
+
+def resident(rig: Rig, req) -> bool:
+    return rig.coord.residency.residency.holds(req.req_pool_idx)
+
+
+def test_a_prefill_short_of_c4_rows_demotes_the_longest_resident_request(gloo_world):
+    """Residency (the default): two long requests keep all their rows; a third prefill does not
+    fit, so the allocator's reclaimer demotes the longest into a hot buffer of its own rows (the
+    newest entry copied into slot B) and the prefill proceeds; every read stays exact, every pool
+    comes back."""
+    rig = Rig(seed=17, tp_group=gloo_world)
+    a = rig.prefill(0, 2901)  # 725 entries: 12 pages
+    b = rig.prefill(1, 2802)  # 700 entries: 11 pages
+    rig.coord.collect_ready_reqs()
+    assert resident(rig, a) and resident(rig, b) and rig.alloc.c4.rows.room() == 2048 - 23 * 64
+    assert rig.alloc.available_size() == 4 * (2048 - 23 * 64 + 2 * (12 * 64 - rig.coord.padded_buffer_size) - 64)
+    c = rig.prefill(2, 2603)  # 650 entries: 11 pages > the 9 free
+    assert not resident(rig, a) and resident(rig, b)
+    read_newest(rig, a)  # entry 724 in slot B, copied there from its own row
+    rig.coord.collect_ready_reqs()
+    assert resident(rig, c)
+    for _ in range(9):
+        rig.step([a, b, c])
+    for r in (a, b, c):
+        rig.finish(r)
+    assert rig.free_counts() == rig.initial
+    line = rig.coord.idle_report()
+    assert "leak=no" in line and "admitted_resident=3 demotions=1" in line, line
+
+
+def test_a_decode_step_short_of_a_page_demotes_a_resident_request(gloo_world):
+    """Two resident requests whose next entry starts a page, and no free C4 row (other users hold
+    them): the decode memory check reports no shortfall (a demotion covers it), and the step
+    demotes one of them into a hot buffer, whose new entry goes to slot B; the other grows a page."""
+    rig = Rig(seed=19, tp_group=gloo_world)
+    a, b = rig.prefill(0, 3072), rig.prefill(1, 3072)  # 768 entries each: 12 full pages
+    rig.coord.collect_ready_reqs()
+    assert resident(rig, a) and resident(rig, b)
+    taken = rig.alloc.c4.rows.pages.alloc_pages(rig.alloc.c4.rows.room() // 64)
+    for _ in range(3):  # tokens 3072..3074: no entry completes
+        assert rig.coord.device_rows_short([0, 1], [3072 + _, 3072 + _]) == 0
+        rig.step([a, b])
+    assert rig.alloc.c4.rows.room() == 0
+    assert rig.coord.device_rows_short([0, 1], [3075, 3075]) == 0  # both need a page: a demotion covers it
+    rig.step([a, b])  # token 3075 completes entry 768 of each
+    assert resident(rig, a) != resident(rig, b)
+    demoted = a if not resident(rig, a) else b
+    read_newest(rig, demoted)
+    for _ in range(6):
+        rig.step([a, b])
+    rig.alloc.c4.rows.pages.free_pages_(taken)
+    for r in (a, b):
+        rig.finish(r)
+    assert rig.free_counts() == rig.initial
+    assert "demotions=1" in rig.coord.idle_report()
+
+
+def test_without_residency_a_full_device_reports_the_shortfall(gloo_world):
+    """Hot buffers only, no free C4 row: a step whose entries start short buffers' pages reports
+    the rows it lacks (SGLang then retracts), nothing is demoted."""
+    rig = Rig(seed=23, tp_group=gloo_world, residency=False)
+    short = rig.prefill(0, 259)  # 64 entries: the next (token 259 completes it) starts a second page
+    rig.coord.collect_ready_reqs()
+    taken = rig.alloc.c4.rows.pages.alloc_pages(rig.alloc.c4.rows.room() // 64)
+    assert rig.coord.device_rows_short([0], [259]) == 64
+    assert rig.coord.device_rows_short([0], [258]) == 0  # no entry completes
+    rig.alloc.c4.rows.pages.free_pages_(taken)
+    assert rig.coord.device_rows_short([0], [259]) == 0
+    rig.finish(short)
     assert rig.free_counts() == rig.initial

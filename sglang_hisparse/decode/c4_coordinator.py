@@ -26,8 +26,13 @@ Design (ours; the parts are the DSA path's where they fit):
   ids of 64 entries over Mooncake); the request then gets a hot buffer of new rows, loaded from
   host (all entries when ``E <= B``, else only the newest, into slot ``B``).
 
-Residency (a request keeping all its rows while the device has room, the DSA default) is not
-implemented for C4 entries yet: every request is in a hot buffer, said once at start-up.
+* residency (``residency``, on by default as for DSA; ``decode/c4_residency.py``): a request that
+  fits with the watermark free keeps its prefill rows (PD: rows its entries are loaded into) and
+  takes the next row of its own pages for each new entry; the resolver reads its entries there.
+  Under pressure (a decode step's new pages, a prefill's rows) the longest resident requests are
+  demoted into hot buffers of their own rows, the newest entry copied into slot ``B``. No
+  promotion back for C4 entries.
+
 Speculative steps are refused (the server checks refuse them first).
 """
 
@@ -41,7 +46,8 @@ import torch
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import agreed_count
-from sglang_hisparse.decode.startup import build_resolver, reuse_levels_for
+from sglang_hisparse.decode.c4_residency import ResidentEntries
+from sglang_hisparse.decode.startup import build_resolver, residency_label, reuse_levels_for
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_mirror import C4Mirror
 from sglang_hisparse.memory.copy_lane import order_current_after
@@ -81,19 +87,27 @@ class C4Coordinator:
         self._waiting_since: Optional[str] = None
         resolver = build_resolver(config, device=device, max_reqs=max_reqs, top_k=top_k, row_bytes=C4_ITEM_BYTES,
                                   buffer_size=device_buffer_size)
+        selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
+        self.residency: Optional[ResidentEntries] = None
+        if config.residency:
+            self.residency = ResidentEntries.build(
+                config.residency_watermark, rows=self.rows, hot=self.hot, max_reqs=max_reqs, device=device,
+                mirror=self.mirror, device_pool=self.device_pool, req_to_token=req_to_token, selections=selections,
+                quiesce=self._wait_for_producer)
+            self.allocator.set_reclaimer(self.residency.reclaim, self.residency.residency.reclaimable_rows)
         self._layers = LayerResolve(
             resolver, layers=self.device_pool.layer_num, max_reqs=max_reqs, top_k=top_k, device=device, hot=self.hot,
             mirror=self.mirror, device_pool=self.device_pool, counters=self.counters, num_real_reqs=self.num_real_reqs,
-            skip_io=config.skip_io, out=torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device),
-            topk_sources=None, residency_tables={},
+            skip_io=config.skip_io, out=selections, topk_sources=None,
+            residency_tables=self.residency.resolver_tables if self.residency is not None else {},
             reuse_levels=reuse_levels_for(device) if config.replacement == "reuse" else None,
             layer_rows=self.mirror.layer_rows, compress_ratio=C4_RATIO)
         self._initial_free = self.free_counts()
         self._busy = False
         logger.info("sglang-hisparse coordinator (DeepSeek-V4 C4 layers): B=%d entries, top_k=%d, C4 layers=%d, "
-                    "resolver=%s, %d C4 device rows, %d host rows; residency is not implemented for C4 entries: "
-                    "every request decodes from a hot buffer", device_buffer_size, top_k, self.device_pool.layer_num,
-                    resolver.name, self.rows.device_size, self.mirror.pool.capacity_tokens)
+                    "resolver=%s, %d C4 device rows, %d host rows; residency %s", device_buffer_size, top_k,
+                    self.device_pool.layer_num, resolver.name, self.rows.device_size, self.mirror.pool.capacity_tokens,
+                    residency_label(config))
 
     # --- small protocol members --------------------------------------------------------------
     def set_decode_producer_stream(self, stream) -> None:
@@ -133,6 +147,10 @@ class C4Coordinator:
         pools = " ".join(f"{name}={value}/{self._initial_free[name]}" for name, value in counts.items())
         line = (f"sglang-hisparse idle (DeepSeek-V4 C4): {pools} leak={'yes' if leak else 'no'} "
                 f"selected={selected} misses={misses} miss_rate={misses / selected if selected else 0.0:.4f}")
+        if self.residency is not None:
+            r = self.residency.residency
+            line += (f" resident={r.count()} admitted_resident={r.admitted_total} demotions={r.demotions_total}"
+                     f" promotions={r.promotions_total}")
         (logger.error if leak else logger.info)(line)
         return line
 
@@ -164,6 +182,8 @@ class C4Coordinator:
         request's newest entry is loaded into slot B from its host row (staged: complete)."""
         idx, entries = req.req_pool_idx, self._entries(req, req.kv.kv_allocated_len)
         E, B = entries.numel(), self.hot.buffer_size
+        if self.residency is not None and self.residency.admit(idx, entries):
+            return  # its prefill rows stay mapped: every entry on the device
         if E == 0:
             self.hot.open_empty(idx)
             return
@@ -184,10 +204,18 @@ class C4Coordinator:
         self._busy = True
         idx, E, B = req.req_pool_idx, self.host_token_len(req.kv.kv_allocated_len), self.hot.buffer_size
         self.mirror.mark_transferred(idx, E)
+        entries = self._entries(req, req.kv.kv_allocated_len)
+        own = self.residency.admit_loaded(idx, entries) if self.residency is not None else None
+        if own is not None:  # resident: every entry loaded into rows of its own
+            self.mirror.load(idx, torch.arange(E), own)
+            return
         if E == 0:
             self.hot.open_empty(idx)
             return
-        rows = self.hot.open(idx, self._entries(req, req.kv.kv_allocated_len), filled=E <= B, mapped=False)
+        rows = self.hot.open(idx, entries, filled=E <= B, mapped=False)
+        if rows is None and self.residency is not None:
+            self.residency.reclaim(self.hot.padded)
+            rows = self.hot.open(idx, entries, filled=E <= B, mapped=False)
         if rows is None:
             raise HiSparsePluginError(
                 f"sglang-hisparse: no C4 rows for the hot buffer of request {req.rid} ({self.allocator.debug_print()}); "
@@ -204,15 +232,31 @@ class C4Coordinator:
         to its slot's row, growing a short buffer by a page where the entry starts one."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self._busy = True
+        if self.residency is not None:
+            self.residency.note_batch(idxs)
         self._back_up_previous_entries(lens, idxs, req_pool_indices)
         done = [i for i, n in enumerate(lens) if n % C4_RATIO == 0]
         if not done:
             return
-        sel = torch.tensor(done, dtype=torch.int64)
-        newest = torch.tensor([lens[i] // C4_RATIO - 1 for i in done], dtype=torch.int64)
-        self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
-        sel_dev = sel.to(req_pool_indices.device)
-        rows = self.hot.rows_of_positions(req_pool_indices[sel_dev], newest.to(req_pool_indices.device))
+        completing = [(idxs[i], lens[i] // C4_RATIO) for i in done]
+        resident = [False] * len(done)
+        if self.residency is not None and self.residency.residency.count():
+            self.residency.relieve(completing)  # may demote some of them: they then take the hot path
+            resident = [self.residency.residency.holds(idx) for idx, _ in completing]
+        device = req_pool_indices.device
+        rows = torch.empty(len(done), dtype=torch.int64, device=device)
+        in_hot = [k for k, r in enumerate(resident) if not r]
+        if in_hot:
+            sel = torch.tensor([done[k] for k in in_hot], dtype=torch.int64)
+            newest = torch.tensor([completing[k][1] - 1 for k in in_hot], dtype=torch.int64)
+            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
+            rows[torch.tensor(in_hot).to(device)] = self.hot.rows_of_positions(req_pool_indices[sel.to(device)],
+                                                                                newest.to(device))
+        own = [k for k, r in enumerate(resident) if r]
+        if own:
+            rows[torch.tensor(own).to(device)] = self.residency.grow(
+                [completing[k][0] for k in own], [completing[k][1] for k in own]).to(device)
+        sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
         self.rows.map_logical(out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO, rows)
 
     def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
@@ -227,9 +271,16 @@ class C4Coordinator:
                 reqs.append(idx)
                 entries.append(completed - 1)
         if reqs:
-            where = torch.tensor(rows_i, dtype=torch.int64).to(req_pool_indices.device)
-            device_rows = self.hot.rows_of_positions(req_pool_indices[where],
-                                                     torch.tensor(entries).to(req_pool_indices.device))
+            device = req_pool_indices.device
+            where = torch.tensor(rows_i, dtype=torch.int64).to(device)
+            device_rows = self.hot.rows_of_positions(req_pool_indices[where], torch.tensor(entries).to(device))
+            if self.residency is not None and self.residency.residency.count():
+                resident = [k for k, idx in enumerate(reqs) if self.residency.residency.holds(idx)]
+                if resident:
+                    at = torch.tensor(resident).to(device)
+                    device_rows[at] = self.residency.rows_of(
+                        torch.tensor([reqs[k] for k in resident]), torch.tensor([entries[k] for k in resident])
+                    ).to(device)
             self.mirror.back_up(reqs, entries, device_rows)
 
     def wait_for_pending_backup(self) -> None:
@@ -238,8 +289,14 @@ class C4Coordinator:
         self.mirror.order_forward()
 
     def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
-        """C4 rows the next decode step of these requests lacks (0: it fits); no side effects."""
-        need = self.hot.step_growth(req_pool_indices, [(n + 1) // C4_RATIO for n in committed_lens])
+        """C4 rows the next decode step of these requests lacks (0: it fits), after every
+        demotion that could help; no side effects. Only a step whose token completes an entry
+        takes a row (a short hot buffer's next page, a resident request's next page)."""
+        completing = [(idx, (n + 1) // C4_RATIO) for idx, n in zip(req_pool_indices, committed_lens)
+                      if (n + 1) % C4_RATIO == 0]
+        if self.residency is not None:
+            return self.residency.rows_short(completing)
+        need = self.hot.step_growth([idx for idx, _ in completing], [e for _, e in completing])
         return max(0, need - self.rows.rows.room())
 
     def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
@@ -263,8 +320,13 @@ class C4Coordinator:
             return
         self._wait_for_producer()  # the overlapped forward may still read its rows
         self.mirror.order_after_copies()
-        self.rows.unmap_logical(self._entries(req, req.kv.kv_allocated_len))
-        self.hot.close(idx)
+        if self.residency is not None and self.residency.residency.holds(idx):
+            # its entries stay mapped to its rows: SGLang's free of its token ids, which follows,
+            # frees them (C4Allocator.free)
+            self.residency.residency.release(idx)
+        else:
+            self.rows.unmap_logical(self._entries(req, req.kv.kv_allocated_len))
+            self.hot.close(idx)
         self.mirror.forget(idx)
 
     def retract_req(self, req) -> None:

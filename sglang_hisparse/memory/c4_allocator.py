@@ -24,7 +24,7 @@ host capacity (entries) is set by the coordinator (:meth:`configure`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator.hisparse import DeepSeekV4HiSparseTokenToKVPoolAllocator
@@ -80,6 +80,8 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
         c4_pool.attach_mapping(self.c4.mapping.logical_to_device)
         self.host_capacity_entries: Optional[int] = None
         self.host_entries_used = lambda: 0
+        self._reclaim: Callable[[int], None] = lambda rows: None
+        self._reclaimable: Callable[[], int] = lambda: 0
         self.is_not_in_free_group = True
         self.free_group = []
 
@@ -89,6 +91,12 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
         self.c4.hot_buffer_rows = hot_buffer_rows
         self.host_capacity_entries = host_capacity_entries
         self.host_entries_used = host_entries_used
+
+    def set_reclaimer(self, reclaim: Callable[[int], None], reclaimable: Callable[[], int]) -> None:
+        """Residency of C4 entries: ``reclaimable()`` C4 rows can be freed on demand by demoting
+        resident requests, and ``reclaim(rows)`` does so until ``rows`` are free (or none is left).
+        Admission counts them as free; a prefill short of rows reclaims them first."""
+        self._reclaim, self._reclaimable = reclaim, reclaimable
 
     # --- token-level protocol: the SWA allocator's -------------------------------------------
     @property
@@ -125,9 +133,10 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
     # --- admission ---------------------------------------------------------------------------
     @property
     def hisparse_attn_allocator(self) -> Budget:
-        """PD decode admission reads ``available_size()`` here (free C4 rows; SGLang divides it by
-        ``padded_buffer_size``, one hot buffer per request it admits)."""
-        return Budget(self.c4.rows.room)
+        """PD decode admission reads ``available_size()`` here (free C4 rows and those demoting
+        resident requests would free; SGLang divides it by ``padded_buffer_size``, one hot buffer
+        per request it admits)."""
+        return Budget(lambda: self.c4.rows.room() + self._reclaimable())
 
     def _host_room(self) -> int:
         if self.host_capacity_entries is None:
@@ -135,8 +144,9 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
         return self.host_capacity_entries - self.host_entries_used()
 
     def _c4_token_room(self) -> int:
-        """Tokens whose entries fit the free C4 rows and the free host rows."""
-        return C4_RATIO * min(self.c4.rows.room(), self._host_room())
+        """Tokens whose entries fit the free C4 rows (with those demotions would free) and the
+        free host rows."""
+        return C4_RATIO * min(self.c4.rows.room() + self._reclaimable(), self._host_room())
 
     def full_available_size(self) -> int:
         return min(self.logical_attn_allocator.full_available_size(), self._c4_token_room())
@@ -154,7 +164,10 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
         either does not fit."""
         prefix_c, seq_c = prefix_lens_cpu // C4_RATIO, seq_lens_cpu // C4_RATIO
         pages = self.c4.rows.pages
-        if pages.pages_needed(prefix_c.tolist(), seq_c.tolist()) > pages.available_pages():
+        needed = pages.pages_needed(prefix_c.tolist(), seq_c.tolist())
+        if needed > pages.available_pages():
+            self._reclaim(needed * C4_PAGE_ENTRIES)  # demote resident requests (none: nothing happens)
+        if needed > pages.available_pages():
             return None
         ids = self.logical_attn_allocator.alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                                                        last_loc, extend_num_tokens)
@@ -201,7 +214,7 @@ class C4Allocator(DeepSeekV4HiSparseTokenToKVPoolAllocator):
             return
         entries = completed_entry_ids(free_index)
         self.c4.rows.free_unowned(self.c4.mapping.rows_of(entries))
-        self.c4.mapping.unmap(entries)
+        self.c4.mapping.forget(entries)  # and the resident marks of their pages
         self.logical_attn_allocator.free(free_index)
 
     def clear(self) -> None:
