@@ -1268,3 +1268,17 @@ def test_v4_pd_script_builds_one_prefill_and_a_decode_instance_per_entry():
     assert "SGLANG_PLUGINS" not in ours["env"] and ours["env"]["SGLANG_TOPK_TRANSFORM_512_TORCH"] == "1"
     with pytest.raises(SystemExit):
         v4_pd.parse_args(["--concurrent", "2", "--abort", "3"])
+
+
+def test_v4_probe_ours_hot_is_ours_without_residency():
+    """v4_probe's ``ours_hot`` (the A/B point of C4 residency): ours' config with ``"residency":
+    false``, ``@B`` still applies; the default impls stay none, upstream, ours."""
+    import v4_probe
+
+    args = v4_probe.parse_args(["--impls", "ours,ours_hot,ours_hot@4096"])
+    assert v4_probe.hisparse_config("ours", args) == args.hisparse_config
+    hot = json.loads(v4_probe.hisparse_config("ours_hot", args))
+    assert hot == {**json.loads(args.hisparse_config), "residency": False}
+    assert json.loads(v4_probe.hisparse_config("ours_hot@4096", args))["device_buffer_size"] == 4096
+    assert v4_probe.log_name("ours_hot@4096") == "v4_ours_hot_B4096"
+    assert v4_probe.parse_args([]).impls == "none,upstream,ours"

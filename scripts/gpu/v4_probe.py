@@ -19,6 +19,7 @@ Implementations (as scripts/gpu/e2e.py names them); ``impl@B`` is the same imple
   none      SGLang without HiSparse; every plugin of ours loaded (--enable-hisparse off)
   upstream  SGLang's own HiSparse; SGLANG_PLUGINS names only our test-only dummy-init plugin
   ours      this plugin's HiSparse (docs/design.md, "DeepSeek-V4"), the same --hisparse-config
+  ours_hot  ours with ``"residency": false`` (every request in a hot buffer: the A/B point of C4 residency)
 
 Concurrent phase (``--concurrent N``, off by default; after the one-at-a-time phase, or instead of
 it with ``--concurrent-only``): N prompts (``--concurrent-lengths``, prompt + new tokens within the
@@ -104,7 +105,7 @@ import e2e  # noqa: E402  (the graph-mode syntax and output digests of the DSA e
 from decode_log import Batch, decode_stats, decode_trace, parse_batches  # noqa: E402
 
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs")) / "v4probe"  # packed by scripts/gpu/run.sh
-IMPLS = ("none", "upstream", "ours")
+IMPLS = ("none", "upstream", "ours", "ours_hot")
 DEFAULT_LENGTHS = "1024,2500,3900,4300,5500,7000,9500,12000"
 """Prompt lengths: four at or below device_buffer_size * 4 = 4096 (the kernel's fast path with the
 default buffer of 1024), four above; index_topk 512 makes the C4 attention sparse above 2048."""
@@ -206,7 +207,7 @@ def request_ids(n: int, tag: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impls", default=",".join(IMPLS),
+    p.add_argument("--impls", default="none,upstream,ours",
                    help="comma list of: " + ", ".join(IMPLS) + "; upstream@B / ours@B: that implementation with "
                         "device_buffer_size B (its own server); the first one is every other's baseline")
     p.add_argument("--model", default="tiny-dsv4", help="a directory under sglang_hisparse/models (or a path)")
@@ -407,14 +408,16 @@ def hisparse_config(spec: str, args: argparse.Namespace) -> str | None:
     impl, buffer = parse_impl(spec)
     if impl == "none":
         return None
-    wait = impl == "ours" and holds_shapes(args)
-    if buffer is None and not wait:
+    wait = impl.startswith("ours") and holds_shapes(args)
+    if buffer is None and not wait and impl != "ours_hot":
         return args.hisparse_config
     config = json.loads(args.hisparse_config)
     if buffer is not None:
         config["device_buffer_size"] = buffer
     if wait:
         config["wait_for_staging"] = True
+    if impl == "ours_hot":
+        config["residency"] = False  # every request in a hot buffer (the A/B point of C4 residency)
     return json.dumps(config)
 
 
@@ -618,7 +621,7 @@ def run_concurrent(server, impl: str, args: argparse.Namespace, plan: dict, inpu
     they have ``abort_after`` tokens; then (ours) wait for the idle line. Returns the phase's record."""
     rids = request_ids(plan["n"], uuid.uuid4().hex[:6])
     tracker = BatchTracker(rids, plan["abort_indices"], plan["abort_after"])
-    if parse_impl(impl)[0] == "ours":
+    if parse_impl(impl)[0].startswith("ours"):
         try:
             server.settle(timeout=60)  # the idle line of the requests before this phase is in the log
         except Exception:  # noqa: BLE001 - not needed for the phase itself
@@ -647,7 +650,7 @@ def run_concurrent(server, impl: str, args: argparse.Namespace, plan: dict, inpu
         out["error"] = repr(e)[:2000]
     out["wall_s"] = round(time.time() - t0, 2)
     out["chunks"] = tracker.chunks
-    if parse_impl(impl)[0] == "ours":
+    if parse_impl(impl)[0].startswith("ours"):
         report = wait_for_idle(server, idle_before, min(60.0, max(0.0, deadline - time.time() - 5)))
         out["idle_report"] = report
         out["pools_back_to_initial"] = pools_back(report)
@@ -774,7 +777,7 @@ def measure_throughput(server: Any, impl: str, batch: list[list[int]], new_token
     """One batched call of ``batch`` on ``server``: wall time, output tokens, decode tok/s, TPOT and
     most requests decoding at once from the step lines of this call (decode_log.py); for ours, its
     idle report after the call (misses, pools). A failed call is recorded as ``error``."""
-    ours = parse_impl(impl)[0] == "ours"
+    ours = parse_impl(impl)[0].startswith("ours")
     reports = len(idle_reports(server.log()))
     mark = len(server.log())
     t0 = time.time()
