@@ -93,13 +93,19 @@ class Rig:
         for layer in range(LAYERS):
             C4PagedRows(self.tokens.c4_pool.kv_buffer[layer]).write(rows, self.truth[idx][layer, positions])
 
-    def prefill(self, idx: int, tokens: int):
+    def new_request(self, idx: int, tokens: int, allocate) -> torch.Tensor:
+        """Fresh entry bytes for slot ``idx`` and its ``tokens`` token ids from ``allocate`` (one of
+        the allocator's extend calls), written into the request table; returns the ids."""
         self.truth[idx] = torch.randint(0, 256, (LAYERS, MAX_TOKENS // 4, C4_ITEM_BYTES), dtype=torch.uint8,
                                         generator=self.gen)
         z, n = torch.tensor([0]), torch.tensor([tokens])
-        ids = self.alloc.alloc_extend(z, z, n, n, torch.tensor([-1]), tokens)
+        ids = allocate(z, z, n, n, torch.tensor([-1]), tokens)
         assert ids is not None
         self.rtt[idx, :tokens] = ids.to(torch.int32)
+        return ids
+
+    def prefill(self, idx: int, tokens: int):
+        ids = self.new_request(idx, tokens, self.alloc.alloc_extend)
         self.write_entries(idx, ids, 0)
         req = SimpleNamespace(req_pool_idx=idx, rid=f"r{idx}", extend_range=SimpleNamespace(end=tokens),
                               kv=SimpleNamespace(kv_allocated_len=tokens))
@@ -112,12 +118,7 @@ class Rig:
         writes the prefill's C4 pages (FlashMLA layout) into the host pages ``rows[::64] // 64``,
         every layer (what Mooncake does with ``get_contiguous_buf_infos``), and the request is
         admitted. ``arrive=False``: the transfer never comes (the request is only preallocated)."""
-        self.truth[idx] = torch.randint(0, 256, (LAYERS, MAX_TOKENS // 4, C4_ITEM_BYTES), dtype=torch.uint8,
-                                        generator=self.gen)
-        z, n = torch.tensor([0]), torch.tensor([tokens])
-        ids = self.alloc.alloc_logical_only(z, z, n, n, torch.tensor([-1]), tokens)
-        assert ids is not None
-        self.rtt[idx, :tokens] = ids.to(torch.int32)
+        self.new_request(idx, tokens, self.alloc.alloc_logical_only)
         entries = self.coord.host_token_len(tokens)
         host = self.coord.mem_pool_host.alloc_paged_token_slots(
             self.coord.req_to_host_pool, self.coord.req_to_host_pool_allocated_len, idx, 0, entries)
@@ -175,6 +176,24 @@ class Rig:
     def finish(self, req) -> None:
         self.coord.request_finished(req)
         self.alloc.free(self.rtt[req.req_pool_idx, : req.kv.kv_allocated_len].to(torch.int64))
+
+
+def read_newest(rig: Rig, req) -> None:
+    """Select only each request's newest entry ``E - 1`` in every layer: its bytes must be the
+    truth (a hot buffer reads it in slot B, a resident request in its own row)."""
+    E = req.kv.kv_allocated_len // 4
+    top = torch.full((1, TOP_K), -1, dtype=torch.int32)
+    top[0, 0] = E - 1
+    rig.coord.num_real_reqs.fill_(1)
+    for layer in range(LAYERS):
+        rows = rig.coord.swap_in_selected_pages(torch.tensor([req.req_pool_idx]), torch.tensor([E], dtype=torch.int32),
+                                                top, layer)
+        got = C4PagedRows(rig.tokens.c4_pool.kv_buffer[layer]).read(rows[0, :1].long())
+        assert torch.equal(got, rig.truth[req.req_pool_idx][layer, E - 1:E]), (req.rid, layer)
+
+
+def resident(rig: Rig, req) -> bool:
+    return rig.coord.residency.residency.holds(req.req_pool_idx)
 
 
 @pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
@@ -269,20 +288,16 @@ def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_
     assert "leak=no" in rig.coord.idle_report()
 
 
-def test_a_long_pd_request_reads_its_newest_entry_before_the_next_one_completes(gloo_world):
-    """The newest transferred entry (E - 1) is read from slot B from the first step, whatever the
-    step's phase (upstream leaves that slot stale for up to 3 steps, docs/deepseek_v4/upstream-contract.md H4)."""
+@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+def test_a_long_pd_request_reads_its_newest_entry_before_the_next_one_completes(gloo_world, residency):
+    """The newest transferred entry (E - 1) is read right from the first step, whatever the step's
+    phase: from slot B of a hot buffer (upstream leaves that slot stale for up to 3 steps,
+    docs/deepseek_v4/upstream-contract.md H4) or from a resident request's own rows."""
     for tokens in (4 * (B + 40), 4 * (B + 40) + 1, 4 * (B + 40) + 3):
-        rig = Rig(seed=tokens, tp_group=gloo_world)
+        rig = Rig(seed=tokens, tp_group=gloo_world, residency=residency)
         req = rig.pd_admit(0, tokens)
-        E = tokens // 4
-        top = torch.full((1, TOP_K), -1, dtype=torch.int32)
-        top[0, 0] = E - 1
-        rig.coord.num_real_reqs.fill_(1)
-        for layer in range(LAYERS):
-            rows = rig.coord.swap_in_selected_pages(torch.tensor([0]), torch.tensor([E], dtype=torch.int32), top, layer)
-            got = C4PagedRows(rig.tokens.c4_pool.kv_buffer[layer]).read(rows[0, :1].long())
-            assert torch.equal(got, rig.truth[0][layer, E - 1:E]), (tokens, layer)
+        assert resident(rig, req) if residency else rig.coord.residency is None
+        read_newest(rig, req)
         for _ in range(3):
             rig.step([req])
         rig.finish(req)
@@ -307,24 +322,6 @@ def test_a_pd_request_whose_transfer_never_comes_gives_its_host_rows_back(gloo_w
     rig.alloc.c4.rows.pages.free_pages_(taken)
     rig.finish(SimpleNamespace(req_pool_idx=1, kv=SimpleNamespace(kv_allocated_len=4 * (B + 10))))
     assert rig.free_counts() == rig.initial
-
-
-def read_newest(rig: Rig, req) -> None:
-    """Select only each request's newest entry ``E - 1`` in every layer: its bytes must be the
-    truth (a hot buffer reads it in slot B, a resident request in its own row)."""
-    E = req.kv.kv_allocated_len // 4
-    top = torch.full((1, TOP_K), -1, dtype=torch.int32)
-    top[0, 0] = E - 1
-    rig.coord.num_real_reqs.fill_(1)
-    for layer in range(LAYERS):
-        rows = rig.coord.swap_in_selected_pages(torch.tensor([req.req_pool_idx]), torch.tensor([E], dtype=torch.int32),
-                                                top, layer)
-        got = C4PagedRows(rig.tokens.c4_pool.kv_buffer[layer]).read(rows[0, :1].long())
-        assert torch.equal(got, rig.truth[req.req_pool_idx][layer, E - 1:E]), (req.rid, layer)
-
-
-def resident(rig: Rig, req) -> bool:
-    return rig.coord.residency.residency.holds(req.req_pool_idx)
 
 
 def test_a_prefill_short_of_c4_rows_demotes_the_longest_resident_request(gloo_world):

@@ -152,11 +152,10 @@ class ResidentEntries:
             pass
 
     def demote_one(self) -> bool:
-        residency = self.residency
-        victims = residency.policy.victims(residency.reclaimable(), residency.lengths)
-        if not victims:
+        victim = self.residency.first_victim()
+        if victim is None:
             return False
-        self.demote(victims[0])
+        self.demote(victim)
         return True
 
     def demote(self, idx: int) -> None:

@@ -212,11 +212,10 @@ class ResidentDecode:
     def demote_one(self) -> bool:
         """Demote the policy's first victim (see the module docstring for the ordering); False
         when no demotion would free rows."""
-        residency = self.residency
-        victims = residency.policy.victims(residency.reclaimable(), residency.lengths)
-        if not victims:
+        victim = self.residency.first_victim()
+        if victim is None:
             return False
-        self.demote(victims[0])
+        self.demote(victim)
         return True
 
     def demote(self, idx: int) -> None:

@@ -136,6 +136,12 @@ class Residency(ResidentSlots):
         return self._reclaimable_total + sum(self.page_saved_by_demotion(idx, n) for idx, n in at_page_start
                                              if idx in self._members)
 
+    def first_victim(self) -> Optional[int]:
+        """The resident request slot to demote next (policy order), or None when no demotion
+        would free rows. No side effects."""
+        victims = self.policy.victims(self.reclaimable(), self.lengths)
+        return victims[0] if victims else None
+
     def short_of_a_page(self, at_page_start: list[tuple[int, int]], room: int) -> list[int]:
         """The resident requests among ``at_page_start`` to demote so that the others' new pages
         fit in ``room`` free rows when demoting for rows left nothing to free (a request holding
