@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from sglang_hisparse.serving.launcher import Server, start_server
 
@@ -92,3 +92,19 @@ def stop_now(servers: Iterable[Server]) -> None:
 def wait_for_stops() -> None:
     while _stopping:
         _stopping.pop().join(timeout=120)
+
+
+def converse(send: Callable[[list[int]], tuple[list[int], int]], conversations: list[list[list[int]]],
+             turns: int) -> list[tuple[list[int], int]]:
+    """Multi-turn chat: the conversations turn by turn, alternating; every turn sends the history
+    (messages and replies so far) plus the next message through ``send`` (a prompt -> its output
+    ids and SGLang's ``cached_tokens``). Returns (output, cached) per turn, in sending order."""
+    history: list[list[int]] = [[] for _ in conversations]
+    results = []
+    for turn in range(turns):
+        for c, conv in enumerate(conversations):
+            prompt = history[c] + conv[turn]
+            output, cached = send(prompt)
+            history[c] = prompt + output
+            results.append((output, cached))
+    return results

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from serving import settle, start_all, stop_soon
+from serving import converse, settle, start_all, stop_soon
 from sglang_hisparse.serving.launcher import abort_two_mid_decode, free_port, post_json, wait_for_idle_report
 from sglang_hisparse_testkit.pd import PD_ENV, RoutedPair, decode_args, prefill_args, unpaired_request
 
@@ -77,15 +77,7 @@ def multi_turn(pair, seed: int) -> list[tuple[list[int], int]]:
     """Two conversations of three turns, alternating; every turn sends the history plus a message."""
     rng = random.Random(seed)
     convs = [[[rng.randrange(2, 2000) for _ in range(n)] for n in lengths] for lengths in ([700, 150, 260], [420, 333, 90])]
-    history: list[list[int]] = [[], []]
-    results = []
-    for turn in range(3):
-        for c, conv in enumerate(convs):
-            prompt = history[c] + conv[turn]
-            ((output, cached),) = run(pair, [prompt])
-            history[c] = prompt + output
-            results.append((output, cached))
-    return results
+    return converse(lambda prompt: run(pair, [prompt])[0], convs, turns=3)
 
 
 def system_prompt(seed: int) -> list[int]:

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from serving import settle, start_all, stop_soon
+from serving import converse, settle, start_all, stop_soon
 from sglang_hisparse.serving.launcher import wait_for_idle_report
 
 pytestmark = pytest.mark.slow
@@ -79,18 +79,8 @@ def conversations(seed: int) -> list[list[list[int]]]:
 
 
 def multi_turn(server, seed: int) -> list[tuple[list[int], int]]:
-    """Each conversation turn by turn (the two conversations alternating): every turn sends the
-    history (messages and replies so far) plus the next message."""
-    history = [[], []]
-    results = []
-    convs = conversations(seed)
-    for turn in range(4):
-        for c, conv in enumerate(convs):
-            prompt = history[c] + conv[turn]
-            ((output, cached),) = run(server, [prompt])
-            history[c] = prompt + output
-            results.append((output, cached))
-    return results
+    """The two conversations of :func:`conversations`, four turns each, alternating."""
+    return converse(lambda prompt: run(server, [prompt])[0], conversations(seed), turns=4)
 
 
 def shared_prefix(server, seed: int) -> list[tuple[list[int], int]]:

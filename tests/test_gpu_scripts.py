@@ -1253,8 +1253,10 @@ def test_v4_pd_script_builds_one_prefill_and_a_decode_instance_per_entry():
     import v4_pd
 
     assert v4_pd.parse_decodes("ours,ours@4096,upstream") == [("ours", None), ("ours", 4096), ("upstream", None)]
-    with pytest.raises(ValueError, match="none, upstream, ours"):
+    with pytest.raises(ValueError, match="none, upstream, ours, ours_hot"):
         v4_pd.parse_decodes("mine")
+    assert json.loads(v4_pd.hisparse_config("ours_hot", None, '{"top_k": 512}')) == {"top_k": 512, "residency": False}
+    assert v4_pd.parse_args([]).decodes == "ours,ours_hot,upstream"
     args = v4_pd.parse_args(["--decodes", "ours@2048,upstream", "--out", "/tmp/x.json"])
     specs = v4_pd.server_specs(args, bootstrap_port=4321)
     assert list(specs) == ["colocated_none", "prefill", "decode_ours_B2048", "decode_upstream"]

@@ -6,7 +6,8 @@ Runs on the GPU machine (scripts/gpu/run.sh job ``v4pd``; carry .site/site-v4.ta
 * ``colocated_none``: tiny-dsv4 without HiSparse, not disaggregated (the baseline);
 * ``prefill``: a PD prefill instance without HiSparse (SGLang's V4 pool; Mooncake over TCP on
   127.0.0.1, sglang_hisparse_testkit.pd);
-* one PD decode instance per ``--decodes`` entry (``ours``, ``ours@B``, ``upstream``, ``none``),
+* one PD decode instance per ``--decodes`` entry (``ours``, ``ours_hot`` = ours with residency
+  off, ``ours@B``, ``upstream``, ``none``),
   each behind its own router (sglang_hisparse.serving.pd_router), all served by the one prefill.
 
 Phase 1 (exactness): ``--lengths`` prompts, one at a time (batch size 1 everywhere, so no
@@ -47,7 +48,7 @@ from sglang_hisparse.serving.launcher import free_port, start_server  # noqa: E4
 from sglang_hisparse_testkit.pd import PD_ENV, TRANSFER_BACKEND, RoutedPair, decode_args, prefill_args  # noqa: E402
 
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs")) / "v4pd"
-DECODE_IMPLS = ("none", "upstream", "ours")
+DECODE_IMPLS = ("none", "upstream", "ours", "ours_hot")
 
 
 def parse_decodes(text: str) -> list[tuple[str, int | None]]:
@@ -66,11 +67,15 @@ def decode_name(impl: str, buffer: int | None) -> str:
 
 
 def hisparse_config(impl: str, buffer: int | None, base: str) -> str | None:
+    """None for none; ``base`` with B for ``@B``; ``ours_hot``: ours with ``"residency": false``
+    (every transferred request in a hot buffer, the slot-B path)."""
     if impl == "none":
         return None
     config = json.loads(base)
     if buffer is not None:
         config["device_buffer_size"] = buffer
+    if impl == "ours_hot":
+        config["residency"] = False
     return json.dumps(config)
 
 
@@ -161,7 +166,8 @@ def concurrent_with_aborts(pair: RoutedPair, inputs: list[list[int]], new_tokens
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--decodes", default="ours,upstream", help="decode instances: impl[@B],... (impl: none, upstream, ours)")
+    p.add_argument("--decodes", default="ours,ours_hot,upstream",
+                   help="decode instances: impl[@B],... (impl: none, upstream, ours, ours_hot)")
     p.add_argument("--model", default="tiny-dsv4")
     p.add_argument("--lengths", default="600,2500,4300,7000,9500,12000", help="phase 1 prompt lengths")
     p.add_argument("--new-tokens", type=int, default=40)
@@ -170,7 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--abort-after-s", type=float, default=1.0)
     p.add_argument("--hisparse-config", default='{"top_k": 512, "device_buffer_size": 1024, "host_to_device_ratio": 2}')
     p.add_argument("--max-total-tokens", type=int, default=131072)
-    p.add_argument("--mem-fraction", type=float, default=0.35, help="per server (v4_probe's, four servers side by side)")
+    p.add_argument("--mem-fraction", type=float, default=0.6,
+                   help="per server: SGLang's start-up check needs (1 - this) of the GPU free, five servers share it; "
+                        "--max-total-tokens caps each pool")
     p.add_argument("--ready-timeout", type=float, default=420)
     p.add_argument("--seed", type=int, default=3)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "v4pd.json"))
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, pair in pairs.items():
                 rows = concurrent_with_aborts(pair, concurrent_inputs, args.new_tokens, aborted, args.abort_after_s)
                 report = v4_probe.wait_for_idle(pair.decode, reports_before[name], 120) \
-                    if name.startswith("decode_ours") else None
+                    if name.startswith("decode_ours") else None  # ours and ours_hot
                 base = phase1.get("colocated_none", {}).get("requests", [])
                 diffs = [None if i in aborted or not base else
                          v4_probe.first_diff(base[i % len(inputs)].get("output_ids"), rows[i].get("output_ids"))
