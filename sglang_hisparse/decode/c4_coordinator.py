@@ -178,8 +178,9 @@ class C4Coordinator:
         return ready
 
     def _enter_decode(self, req) -> None:
-        """Open the request's hot buffer from its prefill pages (no free row needed); a long
-        request's newest entry is loaded into slot B from its host row (staged: complete)."""
+        """With residency and room the request keeps its prefill rows (resident); otherwise its
+        hot buffer opens from its prefill pages (no free row needed) and a long request's newest
+        entry is loaded into slot B from its host row (staged: complete)."""
         idx, entries = req.req_pool_idx, self._entries(req, req.kv.kv_allocated_len)
         E, B = entries.numel(), self.hot.buffer_size
         if self.residency is not None and self.residency.admit(idx, entries):
@@ -195,12 +196,14 @@ class C4Coordinator:
     def admit_request_direct(self, req) -> None:
         """PD decode: the prefill instance wrote the request's completed entries into the host
         rows SGLang allocated for it (``alloc_paged_token_slots``, ``host_token_len``); its
-        entries' compressed ids are logical only (no C4 row). It gets a hot buffer of new rows:
-        with ``E <= B`` entries, all of them are loaded from host (slot ``p`` holds entry ``p``);
-        a longer request starts empty except for its newest entry, loaded into slot ``B`` (where
-        the resolver reads entry ``E - 1`` until the next entry completes), so no slot is ever
-        read before it holds its entry. Raises HiSparsePluginError when the rows are not free
-        (SGLang's PD admission budget, free rows // ``padded_buffer_size``, should prevent it)."""
+        entries' compressed ids are logical only (no C4 row). With residency and room it gets rows
+        of its own, every entry loaded into them; otherwise a hot buffer of new rows (demoting
+        resident requests if none is free): with ``E <= B`` entries, all of them are loaded from
+        host (slot ``p`` holds entry ``p``); a longer request starts empty except for its newest
+        entry, loaded into slot ``B`` (where the resolver reads entry ``E - 1`` until the next
+        entry completes), so no slot is ever read before it holds its entry. Raises
+        HiSparsePluginError when the rows are not free (SGLang's PD admission budget, free and
+        reclaimable rows // ``padded_buffer_size``, should prevent it)."""
         self._busy = True
         idx, E, B = req.req_pool_idx, self.host_token_len(req.kv.kv_allocated_len), self.hot.buffer_size
         self.mirror.mark_transferred(idx, E)
@@ -229,7 +232,9 @@ class C4Coordinator:
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
         """Before a decode step (``seq_lens`` include its token): copy each request's entry the
         previous step completed to host, then map the entry this step's token completes (if any)
-        to its slot's row, growing a short buffer by a page where the entry starts one."""
+        to its row: a hot buffer's slot (growing a short buffer by a page where the entry starts
+        one) or a resident request's next row of its own pages, after demoting resident requests
+        if those pages would leave less than the watermark free."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self._busy = True
         if self.residency is not None:
