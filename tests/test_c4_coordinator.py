@@ -389,3 +389,39 @@ def test_without_residency_a_full_device_reports_the_shortfall(gloo_world):
     assert rig.coord.device_rows_short([0], [259]) == 0
     rig.finish(short)
     assert rig.free_counts() == rig.initial
+
+
+def test_metrics_follow_the_c4_counters_and_every_idle_report_publishes_exact_totals(gloo_world, monkeypatch):
+    """``--enable-metrics`` on a DeepSeek-V4 server: the seam hands the C4 coordinator an export
+    with 584-byte rows; decode steps publish the counters every interval, the idle report exact
+    totals and the gauges (hot buffers, residency, host rows)."""
+    from patches import metrics as metrics_seam
+
+    published = []
+
+    class Export:
+        def __init__(self, labels, row_bytes):
+            self.labels, self.row_bytes = labels, row_bytes
+
+        def publish(self, selected, misses, steps, gauges):
+            published.append((selected, misses, steps, gauges))
+
+    rig = Rig(seed=29, tp_group=gloo_world)
+    monkeypatch.setattr(metrics_seam, "PrometheusExport", Export)
+    scheduler = SimpleNamespace(hisparse_coordinator=rig.coord, metrics_reporter=SimpleNamespace(enable_metrics=True),
+                                server_args=SimpleNamespace(served_model_name="tiny-dsv4"))
+    metrics_seam.export_metrics(None, scheduler, 0, 0, None)
+    export = rig.coord._export[0]
+    assert export.row_bytes == 584 and export.labels == {"model_name": "tiny-dsv4", "tp_rank": "0"}
+    rig.coord._export = (export, 5, rig.coord._export[2])  # publish every 5 steps here
+    reqs = [rig.prefill(0, 2901), rig.prefill(1, 600)]
+    rig.coord.collect_ready_reqs()
+    for _ in range(10):
+        rig.step(reqs)
+    assert [p[2] for p in published] == [5, 10]
+    rig.finish(reqs[0])
+    line = rig.coord.idle_report()
+    selected, misses, steps, gauges = published[-1]
+    assert steps == 10 and f"selected={selected} misses={misses}" in line
+    assert gauges.resident_requests == 1 and gauges.host_rows_used == 3 * 64  # the 600-token request, decoding
+    rig.finish(reqs[1])

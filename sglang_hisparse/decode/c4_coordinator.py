@@ -33,7 +33,8 @@ Design (ours; the parts are the DSA path's where they fit):
   demoted into hot buffers of their own rows, the newest entry copied into slot ``B``. No
   promotion back for C4 entries.
 
-Speculative steps are refused (the server checks refuse them first).
+Speculative steps are refused (the server checks refuse them first). With ``--enable-metrics`` the
+``sglang_hisparse_*`` series are published as for DSA (``export_to``; rows are C4 entries).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_mirror import C4Mirror
 from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.hot_buffers import HotBuffers
+from sglang_hisparse.metrics import CounterReader, Gauges
 from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_RATIO, completed_entry_ids
 from sglang_hisparse.stats import HiSparseTokenStats, token_stats
 
@@ -104,6 +106,9 @@ class C4Coordinator:
             layer_rows=self.mirror.layer_rows, compress_ratio=C4_RATIO)
         self._initial_free = self.free_counts()
         self._busy = False
+        self._decode_steps = 0
+        self._export: Optional[tuple[Any, int, CounterReader]] = None
+        """(PrometheusExport, steps between publications, the counters' reader) with --enable-metrics."""
         logger.info("sglang-hisparse coordinator (DeepSeek-V4 C4 layers): B=%d entries, top_k=%d, C4 layers=%d, "
                     "resolver=%s, %d C4 device rows, %d host rows; residency %s", device_buffer_size, top_k,
                     self.device_pool.layer_num, resolver.name, self.rows.device_size, self.mirror.pool.capacity_tokens,
@@ -127,6 +132,21 @@ class C4Coordinator:
     def destroy(self) -> None:
         self.mirror.drain()
 
+    def export_to(self, export, interval: int = 40) -> None:
+        """Publish our series to ``export`` (``sglang_hisparse.metrics.PrometheusExport``) every
+        ``interval`` decode steps without a host stall, and exactly at every idle report."""
+        self._export = (export, interval, CounterReader(self.counters))
+
+    def gauges(self) -> Gauges:
+        """The gauges of the metrics export (and the demotions counter), read on the host."""
+        residency = self.residency.residency if self.residency is not None else None
+        return Gauges(staging_requests=self.mirror.staged_count(),
+                      host_rows_used=self.mirror.host_entries_used(),
+                      host_rows_capacity=self.mirror.pool.capacity_tokens,
+                      hot_buffers_in_use=sum(1 for held in self.hot.capacity if held),
+                      resident_requests=residency.count() if residency is not None else 0,
+                      demotions_total=residency.demotions_total if residency is not None else 0)
+
     def free_counts(self) -> dict[str, int]:
         """Free token ids (full and SWA), C4 device rows and C4 host rows (their initial values
         when no request is live)."""
@@ -144,6 +164,8 @@ class C4Coordinator:
         counts = self.free_counts()
         leak = counts != self._initial_free
         selected, misses = (int(x) for x in self.counters.tolist())
+        if self._export is not None:
+            self._export[0].publish(selected, misses, self._decode_steps, self.gauges())
         pools = " ".join(f"{name}={value}/{self._initial_free[name]}" for name, value in counts.items())
         line = (f"sglang-hisparse idle (DeepSeek-V4 C4): {pools} leak={'yes' if leak else 'no'} "
                 f"selected={selected} misses={misses} miss_rate={misses / selected if selected else 0.0:.4f}")
@@ -237,6 +259,7 @@ class C4Coordinator:
         if those pages would leave less than the watermark free."""
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self._busy = True
+        self._note_decode_step()
         if self.residency is not None:
             self.residency.note_batch(idxs)
         self._back_up_previous_entries(lens, idxs, req_pool_indices)
@@ -263,6 +286,15 @@ class C4Coordinator:
                 [completing[k][0] for k in own], [completing[k][1] for k in own]).to(device)
         sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
         self.rows.map_logical(out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO, rows)
+
+    def _note_decode_step(self) -> None:
+        """Count a decode step; every export interval publish the counters' latest host copy."""
+        self._decode_steps += 1
+        if self._export is not None and self._decode_steps % self._export[1] == 0:
+            export, _, reader = self._export
+            totals = reader.latest()
+            if totals is not None:
+                export.publish(totals[0], totals[1], self._decode_steps, self.gauges())
 
     def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
         """The entry each request completed in the previous step (the one after its mirrored
