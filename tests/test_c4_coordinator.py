@@ -66,8 +66,9 @@ class Tokens:
 class Rig:
     """Allocator, coordinator and the model stand-in's truth: entry bytes per (request, layer)."""
 
-    def __init__(self, seed: int, tp_group, residency: bool = True, **config_keys):
-        """``residency`` (the default configuration's) and other config keys."""
+    def __init__(self, seed: int, tp_group, residency: bool = False, **config_keys):
+        """``residency`` (off: DeepSeek-V4's default, ``config.V4_RESIDENCY_DEFAULT``) and other
+        config keys."""
         self.rng = random.Random(seed)
         self.tokens = Tokens(1 << 15, 2048)
         self.alloc = C4Allocator(self.tokens, debug=True)
@@ -196,7 +197,7 @@ def resident(rig: Rig, req) -> bool:
     return rig.coord.residency.residency.holds(req.req_pool_idx)
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(gloo_world, residency):
     rig = Rig(seed=3, tp_group=gloo_world, residency=residency)
     lengths = [2, 9, 515, 600, 2203, 2900]  # 0 .. 725 entries: empty, fast path, crossing B, long
@@ -220,7 +221,7 @@ def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(g
     assert ("admitted_resident=5 demotions=0" in line) if residency else ("resident=" not in line), line
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world, residency):
     """From the fast path (E <= B) into the long path: the entry B lands in slot B, older entries
     are then read from their slots or from host."""
@@ -234,7 +235,7 @@ def test_a_request_crossing_b_entries_keeps_reading_its_own_entries(gloo_world, 
     assert rig.free_counts() == rig.initial
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_world, residency):
     rig = Rig(seed=7, tp_group=gloo_world, residency=residency)
     staged = rig.prefill(0, 1000)
@@ -249,7 +250,7 @@ def test_requests_leaving_in_staging_or_at_prefill_leave_nothing_behind(gloo_wor
     assert rig.free_counts() == rig.initial
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world, residency):
     rig = Rig(seed=9, tp_group=gloo_world, residency=residency)
     req = rig.prefill(0, 1030)
@@ -263,7 +264,7 @@ def test_host_rows_are_entries_and_the_protocol_numbers_say_so(gloo_world, resid
     rig.finish(req)
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_back(gloo_world, residency):
     """PD decode (SGLang's direct-to-host path): requests of 0 to 725 entries, short (every entry
     loaded into its slot), crossing B while decoding, and long (empty buffer but the newest entry in
@@ -288,7 +289,7 @@ def test_pd_admitted_requests_read_the_transferred_entries_and_every_pool_comes_
     assert "leak=no" in rig.coord.idle_report()
 
 
-@pytest.mark.parametrize("residency", [True, False], ids=["residency", "hot_buffers"])
+@pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_a_long_pd_request_reads_its_newest_entry_before_the_next_one_completes(gloo_world, residency):
     """The newest transferred entry (E - 1) is read right from the first step, whatever the step's
     phase: from slot B of a hot buffer (upstream leaves that slot stale for up to 3 steps,
@@ -325,11 +326,11 @@ def test_a_pd_request_whose_transfer_never_comes_gives_its_host_rows_back(gloo_w
 
 
 def test_a_prefill_short_of_c4_rows_demotes_the_longest_resident_request(gloo_world):
-    """Residency (the default): two long requests keep all their rows; a third prefill does not
+    """Residency (``"residency": true``): two long requests keep all their rows; a third prefill does not
     fit, so the allocator's reclaimer demotes the longest into a hot buffer of its own rows (the
     newest entry copied into slot B) and the prefill proceeds; every read stays exact, every pool
     comes back."""
-    rig = Rig(seed=17, tp_group=gloo_world)
+    rig = Rig(seed=17, tp_group=gloo_world, residency=True)
     a = rig.prefill(0, 2901)  # 725 entries: 12 pages
     b = rig.prefill(1, 2802)  # 700 entries: 11 pages
     rig.coord.collect_ready_reqs()
@@ -353,7 +354,7 @@ def test_a_decode_step_short_of_a_page_demotes_a_resident_request(gloo_world):
     """Two resident requests whose next entry starts a page, and no free C4 row (other users hold
     them): the decode memory check reports no shortfall (a demotion covers it), and the step
     demotes one of them into a hot buffer, whose new entry goes to slot B; the other grows a page."""
-    rig = Rig(seed=19, tp_group=gloo_world)
+    rig = Rig(seed=19, tp_group=gloo_world, residency=True)
     a, b = rig.prefill(0, 3072), rig.prefill(1, 3072)  # 768 entries each: 12 full pages
     rig.coord.collect_ready_reqs()
     assert resident(rig, a) and resident(rig, b)
@@ -377,9 +378,9 @@ def test_a_decode_step_short_of_a_page_demotes_a_resident_request(gloo_world):
 
 
 def test_without_residency_a_full_device_reports_the_shortfall(gloo_world):
-    """Hot buffers only, no free C4 row: a step whose entries start short buffers' pages reports
+    """Hot buffers only (the V4 default), no free C4 row: a step whose entries start short buffers' pages reports
     the rows it lacks (SGLang then retracts), nothing is demoted."""
-    rig = Rig(seed=23, tp_group=gloo_world, residency=False)
+    rig = Rig(seed=23, tp_group=gloo_world)
     short = rig.prefill(0, 259)  # 64 entries: the next (token 259 completes it) starts a second page
     rig.coord.collect_ready_reqs()
     taken = rig.alloc.c4.rows.pages.alloc_pages(rig.alloc.c4.rows.room() // 64)
@@ -406,7 +407,7 @@ def test_metrics_follow_the_c4_counters_and_every_idle_report_publishes_exact_to
         def publish(self, selected, misses, steps, gauges):
             published.append((selected, misses, steps, gauges))
 
-    rig = Rig(seed=29, tp_group=gloo_world)
+    rig = Rig(seed=29, tp_group=gloo_world, residency=True)
     monkeypatch.setattr(metrics_seam, "PrometheusExport", Export)
     scheduler = SimpleNamespace(hisparse_coordinator=rig.coord, metrics_reporter=SimpleNamespace(enable_metrics=True),
                                 server_args=SimpleNamespace(served_model_name="tiny-dsv4"))

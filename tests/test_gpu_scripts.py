@@ -1253,10 +1253,11 @@ def test_v4_pd_script_builds_one_prefill_and_a_decode_instance_per_entry():
     import v4_pd
 
     assert v4_pd.parse_decodes("ours,ours@4096,upstream") == [("ours", None), ("ours", 4096), ("upstream", None)]
-    with pytest.raises(ValueError, match="none, upstream, ours, ours_hot"):
+    with pytest.raises(ValueError, match="none, upstream, ours, ours_resident"):
         v4_pd.parse_decodes("mine")
-    assert json.loads(v4_pd.hisparse_config("ours_hot", None, '{"top_k": 512}')) == {"top_k": 512, "residency": False}
-    assert v4_pd.parse_args([]).decodes == "ours,ours_hot,upstream"
+    assert json.loads(v4_pd.hisparse_config("ours_resident", None, '{"top_k": 512}')) == {"top_k": 512, "residency": True}
+    assert v4_pd.hisparse_config("ours", None, '{"top_k": 512}') == '{"top_k": 512}'
+    assert v4_pd.parse_args([]).decodes == "ours,ours_resident,upstream"
     args = v4_pd.parse_args(["--decodes", "ours@2048,upstream", "--out", "/tmp/x.json"])
     specs = v4_pd.server_specs(args, bootstrap_port=4321)
     assert list(specs) == ["colocated_none", "prefill", "decode_ours_B2048", "decode_upstream"]
@@ -1272,15 +1273,16 @@ def test_v4_pd_script_builds_one_prefill_and_a_decode_instance_per_entry():
         v4_pd.parse_args(["--concurrent", "2", "--abort", "3"])
 
 
-def test_v4_probe_ours_hot_is_ours_without_residency():
-    """v4_probe's ``ours_hot`` (the A/B point of C4 residency): ours' config with ``"residency":
-    false``, ``@B`` still applies; the default impls stay none, upstream, ours."""
+def test_v4_probe_residency_variants_set_the_key_explicitly():
+    """v4_probe's ``ours_hot`` / ``ours_resident`` (the A/B points of C4 residency): ours' config
+    with ``"residency"`` false / true, ``@B`` still applies; the default impls stay none, upstream, ours."""
     import v4_probe
 
-    args = v4_probe.parse_args(["--impls", "ours,ours_hot,ours_hot@4096"])
+    args = v4_probe.parse_args(["--impls", "ours,ours_hot,ours_hot@4096,ours_resident"])
     assert v4_probe.hisparse_config("ours", args) == args.hisparse_config
     hot = json.loads(v4_probe.hisparse_config("ours_hot", args))
     assert hot == {**json.loads(args.hisparse_config), "residency": False}
+    assert json.loads(v4_probe.hisparse_config("ours_resident", args))["residency"] is True
     assert json.loads(v4_probe.hisparse_config("ours_hot@4096", args))["device_buffer_size"] == 4096
     assert v4_probe.log_name("ours_hot@4096") == "v4_ours_hot_B4096"
     assert v4_probe.parse_args([]).impls == "none,upstream,ours"

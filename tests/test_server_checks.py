@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -171,7 +172,6 @@ def test_a_hot_buffer_beyond_the_kernel_limit_is_refused_with_the_allowed_range(
 
 def _launcher_view(config: str, **overrides):
     """What SGLang's launcher hands validate_hisparse: resolved server arguments."""
-    from types import SimpleNamespace
 
     hf_config = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=2048)
     model = SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config)
@@ -252,6 +252,24 @@ def test_the_default_hot_buffer_with_speculation_is_n_plus_one_times_top_k():
     assert config_from_server_args(_launcher_view("{}")).device_buffer_size == 2 * 2048
     config = config_from_server_args(_launcher_view("{}", **SPEC_ARGS))
     assert (config.query_rows, config.device_buffer_size) == (4, 5 * 2048)
+
+
+def test_deepseek_v4_defaults_to_hot_buffers_and_residency_is_a_key_away():
+    """V4's residency default is off (measured slower than hot buffers, config.V4_RESIDENCY_DEFAULT);
+    ``"residency": true`` turns it on; DSA keeps residency on by default."""
+    from sglang_hisparse.config import config_from_server_args
+
+    hf_config = SimpleNamespace(architectures=["DeepseekV4ForCausalLM"], index_topk=512)
+    v4_model = SimpleNamespace(hf_config=hf_config, hf_text_config=hf_config)
+
+    def v4_view(config: str):
+        view = _launcher_view(config)
+        view.get_model_config = lambda: v4_model
+        return view
+
+    assert config_from_server_args(v4_view("{}")).residency is False
+    assert config_from_server_args(v4_view('{"residency": true}')).residency is True
+    assert config_from_server_args(_launcher_view("{}")).residency is True
 
 
 def test_a_refusal_from_python_raises_and_the_pool_bound_is_checked():

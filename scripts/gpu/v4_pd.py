@@ -6,8 +6,8 @@ Runs on the GPU machine (scripts/gpu/run.sh job ``v4pd``; carry .site/site-v4.ta
 * ``colocated_none``: tiny-dsv4 without HiSparse, not disaggregated (the baseline);
 * ``prefill``: a PD prefill instance without HiSparse (SGLang's V4 pool; Mooncake over TCP on
   127.0.0.1, sglang_hisparse_testkit.pd);
-* one PD decode instance per ``--decodes`` entry (``ours``, ``ours_hot`` = ours with residency
-  off, ``ours@B``, ``upstream``, ``none``),
+* one PD decode instance per ``--decodes`` entry (``ours``, ``ours_resident`` = ours with
+  residency on, ``ours@B``, ``upstream``, ``none``),
   each behind its own router (sglang_hisparse.serving.pd_router), all served by the one prefill.
 
 Phase 1 (exactness): ``--lengths`` prompts, one at a time (batch size 1 everywhere, so no
@@ -48,7 +48,7 @@ from sglang_hisparse.serving.launcher import free_port, start_server  # noqa: E4
 from sglang_hisparse_testkit.pd import PD_ENV, TRANSFER_BACKEND, RoutedPair, decode_args, prefill_args  # noqa: E402
 
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs")) / "v4pd"
-DECODE_IMPLS = ("none", "upstream", "ours", "ours_hot")
+DECODE_IMPLS = ("none", "upstream", "ours", "ours_resident")
 
 
 def parse_decodes(text: str) -> list[tuple[str, int | None]]:
@@ -67,15 +67,15 @@ def decode_name(impl: str, buffer: int | None) -> str:
 
 
 def hisparse_config(impl: str, buffer: int | None, base: str) -> str | None:
-    """None for none; ``base`` with B for ``@B``; ``ours_hot``: ours with ``"residency": false``
-    (every transferred request in a hot buffer, the slot-B path)."""
+    """None for none; ``base`` with B for ``@B``; ``ours_resident``: ours with ``"residency": true``
+    (V4's default is off: every transferred request in a hot buffer, the slot-B path)."""
     if impl == "none":
         return None
     config = json.loads(base)
     if buffer is not None:
         config["device_buffer_size"] = buffer
-    if impl == "ours_hot":
-        config["residency"] = False
+    if impl == "ours_resident":
+        config["residency"] = True
     return json.dumps(config)
 
 
@@ -166,8 +166,8 @@ def concurrent_with_aborts(pair: RoutedPair, inputs: list[list[int]], new_tokens
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--decodes", default="ours,ours_hot,upstream",
-                   help="decode instances: impl[@B],... (impl: none, upstream, ours, ours_hot)")
+    p.add_argument("--decodes", default="ours,ours_resident,upstream",
+                   help="decode instances: impl[@B],... (impl: none, upstream, ours, ours_resident)")
     p.add_argument("--model", default="tiny-dsv4")
     p.add_argument("--lengths", default="600,2500,4300,7000,9500,12000", help="phase 1 prompt lengths")
     p.add_argument("--new-tokens", type=int, default=40)
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, pair in pairs.items():
                 rows = concurrent_with_aborts(pair, concurrent_inputs, args.new_tokens, aborted, args.abort_after_s)
                 report = v4_probe.wait_for_idle(pair.decode, reports_before[name], 120) \
-                    if name.startswith("decode_ours") else None  # ours and ours_hot
+                    if name.startswith("decode_ours") else None  # ours and ours_resident
                 base = phase1.get("colocated_none", {}).get("requests", [])
                 diffs = [None if i in aborted or not base else
                          v4_probe.first_diff(base[i % len(inputs)].get("output_ids"), rows[i].get("output_ids"))

@@ -19,7 +19,9 @@ Implementations (as scripts/gpu/e2e.py names them); ``impl@B`` is the same imple
   none      SGLang without HiSparse; every plugin of ours loaded (--enable-hisparse off)
   upstream  SGLang's own HiSparse; SGLANG_PLUGINS names only our test-only dummy-init plugin
   ours      this plugin's HiSparse (docs/design.md, "DeepSeek-V4"), the same --hisparse-config
-  ours_hot  ours with ``"residency": false`` (every request in a hot buffer: the A/B point of C4 residency)
+  ours_hot  ours with ``"residency": false`` (every request in a hot buffer; V4's default since
+            gpu_v4probe9, where ``ours`` still had residency on)
+  ours_resident  ours with ``"residency": true`` (C4 entries resident while the device has room)
 
 Concurrent phase (``--concurrent N``, off by default; after the one-at-a-time phase, or instead of
 it with ``--concurrent-only``): N prompts (``--concurrent-lengths``, prompt + new tokens within the
@@ -105,7 +107,9 @@ import e2e  # noqa: E402  (the graph-mode syntax and output digests of the DSA e
 from decode_log import Batch, decode_stats, decode_trace, parse_batches  # noqa: E402
 
 LOG_DIR = Path(os.environ.get("E2E_LOG_DIR", "/tmp/e2e_logs")) / "v4probe"  # packed by scripts/gpu/run.sh
-IMPLS = ("none", "upstream", "ours", "ours_hot")
+IMPLS = ("none", "upstream", "ours", "ours_hot", "ours_resident")
+RESIDENCY_SWITCH = {"ours_hot": False, "ours_resident": True}
+"""Variants of ours with ``residency`` set explicitly."""
 DEFAULT_LENGTHS = "1024,2500,3900,4300,5500,7000,9500,12000"
 """Prompt lengths: four at or below device_buffer_size * 4 = 4096 (the kernel's fast path with the
 default buffer of 1024), four above; index_topk 512 makes the C4 attention sparse above 2048."""
@@ -409,15 +413,15 @@ def hisparse_config(spec: str, args: argparse.Namespace) -> str | None:
     if impl == "none":
         return None
     wait = impl.startswith("ours") and holds_shapes(args)
-    if buffer is None and not wait and impl != "ours_hot":
+    if buffer is None and not wait and impl not in RESIDENCY_SWITCH:
         return args.hisparse_config
     config = json.loads(args.hisparse_config)
     if buffer is not None:
         config["device_buffer_size"] = buffer
     if wait:
         config["wait_for_staging"] = True
-    if impl == "ours_hot":
-        config["residency"] = False  # every request in a hot buffer (the A/B point of C4 residency)
+    if impl in RESIDENCY_SWITCH:
+        config["residency"] = RESIDENCY_SWITCH[impl]  # the A/B points of C4 residency
     return json.dumps(config)
 
 
