@@ -316,6 +316,64 @@ def v4_concurrent_rows(run: str) -> list[dict]:
     return rows
 
 
+V4_THROUGHPUT = ["gpu_v4probe8", "gpu_v4probe9"]
+V4_PD = ["gpu_v4pd1"]
+V4_RESIDENCY_ON_AS_OURS = {"gpu_v4probe8", "gpu_v4probe9", "gpu_v4pd1"}
+"""Calls made while C4 residency was V4's default: their ``ours`` had it on (labelled ``ours_resident``
+here) and their ``ours_hot`` had it off, which is V4's default since (labelled ``ours``)."""
+
+
+def v4_impl_label(run: str, impl: str) -> str:
+    """The implementation name a V4 call's server has in e2e_gpu.json (see V4_RESIDENCY_ON_AS_OURS)."""
+    if run in V4_RESIDENCY_ON_AS_OURS:
+        return {"ours": "ours_resident", "ours_hot": "ours", "decode_ours": "ours_resident",
+                "decode_ours_hot": "ours"}.get(impl, impl.removeprefix("decode_"))
+    return impl.removeprefix("decode_")
+
+
+def v4_throughput_rows(run: str) -> list[dict]:
+    """One row per server of a V4 probe's throughput phase: the median decode tok/s of its rounds
+    (paired: every server once per round, the others idle), the spread, TPOT, requests held,
+    ours' miss rate and pools, and every round's tok/s."""
+    data = json.loads((RESULTS / run / "v4probe.json").read_text())
+    rows = []
+    for impl, info in data["impls"].items():
+        summary, runs = info["throughput"]["summary"], info["throughput"]["runs"]
+        config = json.loads(info["hisparse_config"]) if info.get("hisparse_config") else None
+        rows.append({"impl": v4_impl_label(run, impl), "impl_in_run": impl, "model": data["model"].rsplit("/", 1)[-1],
+                     "B": config["device_buffer_size"] if config else None,
+                     "residency": config.get("residency", True) if config else None,
+                     "max_total_tokens": info["max_total_tokens"],
+                     "workload": "24 prompts of 12,000 tokens in one call, 128 greedy tokens, under pressure",
+                     "decode_tok_s": summary["decode_tok_s"], "decode_tok_s_spread": summary["decode_tok_s_spread"],
+                     "tpot_ms": summary["tpot_ms"], "held": summary["held"], "miss_rate": summary["miss_rate"],
+                     "pools_back_to_initial": summary["pools_back_to_initial"],
+                     "rounds_tok_s": [r.get("decode_tok_s") for r in runs],
+                     "device": data["device"]["nvidia_smi"], "run": run})
+    return rows
+
+
+def v4_pd_rows(run: str) -> list[dict]:
+    """One exactness row per decode instance of a V4 PD call (scripts/gpu/v4_pd.py): phase 1 (one
+    request at a time) against the colocated server without HiSparse; phase 2 (all at once, some
+    aborted) recorded with its pools."""
+    data = json.loads((RESULTS / run / "v4pd.json").read_text())
+    rows = []
+    for name, against in data["phase1"]["compare"]["against"].items():
+        diffs = [r["first_diff"] for r in against["per_request"]]
+        phase2 = data["phase2"].get(name, {})
+        rows.append({"impl": v4_impl_label(run, name), "impl_in_run": name, "model": data["model"], "pd": True,
+                     "transfer_backend": data["transfer_backend"], "sequences": len(diffs),
+                     "identical": diffs.count(None), "first_diff": diffs, "prompt_lens": data["lengths"],
+                     "new_tokens": data["new_tokens"],
+                     "workload": "one request at a time through a Mooncake PD pair, greedy, torch top-k",
+                     "concurrent_first_diff": phase2.get("first_diff_vs_phase1_baseline"),
+                     "concurrent_aborted": phase2.get("aborted"),
+                     "pools_back_to_initial": phase2.get("pools_back_to_initial"),
+                     "device": data["device"]["nvidia_smi"], "run": run})
+    return rows
+
+
 def option(words: list[str], flag: str, default: str) -> str:
     return words[words.index(flag) + 1] if flag in words else default
 
@@ -373,8 +431,15 @@ def main() -> int:
     for run in V4_CONCURRENT:
         commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
         exactness += v4_concurrent_rows(run)
+    v4_throughput = []
+    for run in V4_THROUGHPUT:
+        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
+        v4_throughput += v4_throughput_rows(run)
+    for run in V4_PD:
+        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
+        exactness += v4_pd_rows(run)
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
-           "throughput": throughput}
+           "throughput": throughput, "v4_throughput": v4_throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(throughput, RESULTS / "e2e_gpu_throughput.png")
     print(f"wrote {RESULTS / 'e2e_gpu.json'} and e2e_gpu_throughput.png")
