@@ -7,8 +7,9 @@ decode instance without ``bootstrap_host`` (a client that bypassed the PD router
 in the scheduler's event loop, and the whole server dies. ``bootstrap_port`` has a default (the
 server's own bootstrap port); the host and the room have none.
 
-Ours: on a server with our HiSparse coordinator (DSA or DeepSeek-V4), a new request (not a retracted one coming back)
-without ``bootstrap_host`` or ``bootstrap_room`` is aborted with HTTP 400 and a one-line reason,
+Ours: on a server with our HiSparse coordinator (DSA or DeepSeek-V4), a new request (not a
+retracted one coming back) without ``bootstrap_host`` or ``bootstrap_room`` is aborted with HTTP
+400 and a one-line reason,
 the way ``add`` itself refuses a request larger than the pool (``prepare_abort`` and
 ``stream_output``); it takes nothing from any pool. Other requests and servers run SGLang's code
 unchanged.

@@ -330,6 +330,13 @@ def speculative_query_rows(server_args: Any) -> int:
     return max(1, int(server_args.speculative_num_draft_tokens or 1))
 
 
+V4_RESIDENCY_DEFAULT = False
+"""DeepSeek-V4's ``residency`` when not given: off. Measured on an H100 (tiny-dsv4, 24 x 12,000
+tokens under pressure, 4 paired rounds; docs/deepseek_v4/gpu-probe.md, gpu_v4probe9): C4 entries
+resident decoded at 0.72x the tok/s of hot buffers (no demotion happened, 0% vs 5% misses), while
+hot buffers reached 1.09x SGLang's HiSparse; ``"residency": true`` turns it on."""
+
+
 def config_from_server_args(server_args: Any) -> HiSparseConfig:
     """The typed config of a server, with the model's ``index_topk`` and the speculative verify
     window applied; ``residency`` defaults to off for DeepSeek-V4 (:data:`V4_RESIDENCY_DEFAULT`)."""
@@ -340,13 +347,6 @@ def config_from_server_args(server_args: Any) -> HiSparseConfig:
         speculative_query_rows(server_args),
         residency_default=V4_RESIDENCY_DEFAULT if is_v4_model(model_config) else True,
     )
-
-
-V4_RESIDENCY_DEFAULT = False
-"""DeepSeek-V4's ``residency`` when not given: off. Measured on an H100 (tiny-dsv4, 24 x 12,000
-tokens under pressure, 4 paired rounds; docs/deepseek_v4/gpu-probe.md, gpu_v4probe9): C4 entries
-resident decoded at 0.72x the tok/s of hot buffers (no demotion happened, 0% vs 5% misses), while
-hot buffers reached 1.09x SGLang's HiSparse; ``"residency": true`` turns it on."""
 
 
 def is_v4_model(model_config: Any) -> bool:

@@ -26,7 +26,8 @@ Design (ours; the parts are the DSA path's where they fit):
   ids of 64 entries over Mooncake); the request then gets a hot buffer of new rows, loaded from
   host (all entries when ``E <= B``, else only the newest, into slot ``B``).
 
-* residency (``residency``, on by default as for DSA; ``decode/c4_residency.py``): a request that
+* residency (``"residency": true``; off by default for V4, measured slower than hot buffers on an
+  H100: ``config.V4_RESIDENCY_DEFAULT``; ``decode/c4_residency.py``): a request that
   fits with the watermark free keeps its prefill rows (PD: rows its entries are loaded into) and
   takes the next row of its own pages for each new entry; the resolver reads its entries there.
   Under pressure (a decode step's new pages, a prefill's rows) the longest resident requests are

@@ -1,5 +1,8 @@
 """DeepSeek-V4: residency of C4 entries, and demotion to a hot buffer under pressure.
 
+Opt-in (``"residency": true``): V4's default is hot buffers, which decoded faster on an H100 under
+pressure (``config.V4_RESIDENCY_DEFAULT``; why residency costs more per step is not known yet).
+
 The DSA path's mechanism and policy (:class:`~sglang_hisparse.memory.residency.Residency`,
 :class:`~sglang_hisparse.memory.residency.ResidencyPolicy`) work unchanged in the compressed view:
 positions are a request's completed C4 entries, logical ids their compressed ids, rows the C4
