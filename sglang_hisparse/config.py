@@ -333,8 +333,9 @@ def speculative_query_rows(server_args: Any) -> int:
 V4_RESIDENCY_DEFAULT = False
 """DeepSeek-V4's ``residency`` when not given: off. Measured on an H100 (tiny-dsv4, 24 x 12,000
 tokens under pressure, 4 paired rounds; docs/deepseek_v4/gpu-probe.md, gpu_v4probe9): C4 entries
-resident decoded at 0.72x the tok/s of hot buffers (no demotion happened, 0% vs 5% misses), while
-hot buffers reached 1.09x SGLang's HiSparse; ``"residency": true`` turns it on."""
+resident decoded at 0.80x the tok/s of hot buffers (median of per-round ratios; no demotion
+happened, 0% vs 5% misses), while hot buffers were at parity with SGLang's HiSparse (0.97x paired,
+1.09x by medians); ``"residency": true`` turns it on."""
 
 
 def config_from_server_args(server_args: Any) -> HiSparseConfig:

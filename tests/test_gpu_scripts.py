@@ -865,16 +865,40 @@ def test_v4_probe_throughput_phase_measures_servers_one_at_a_time_and_compares_t
                           "--throughput-new-tokens", "5", "--throughput-repeats", "2", "--hisparse-max-total-tokens",
                           "262144", "--out", str(out)]) == 0
     assert totals == {"v4_none": 131072, "v4_ours": 262144, "v4_upstream": 262144}
-    assert _FakeThroughputServer.order == ["v4_none", "v4_ours", "v4_upstream"] * 2
+    assert _FakeThroughputServer.order == ["v4_none", "v4_ours", "v4_upstream"] * 3  # a warm-up round first
     report = json.loads(out.read_text())
-    assert report["throughput"] == {"n": 4, "context": 100, "new_tokens": 5, "repeats": 2}
+    assert report["throughput"] == {"n": 4, "context": 100, "new_tokens": 5, "repeats": 2, "warmup": 1}
+    runs = report["impls"]["ours"]["throughput"]["runs"]
+    assert [(r["round"], r.get("warmup", False)) for r in runs] == [(-1, True), (0, False), (1, False)]
     ours = report["impls"]["ours"]["throughput"]["summary"]
-    assert ours["measured"] == 2 and ours["decode_tok_s"] == pytest.approx(150.0) and ours["held"] == 4
+    assert ours["runs"] == 2 and ours["measured"] == 2 and ours["decode_tok_s"] == pytest.approx(150.0) and ours["held"] == 4
     assert ours["miss_rate"] == pytest.approx(0.25) and ours["pools_back_to_initial"] is True
     assert report["impls"]["none"]["throughput"]["summary"]["miss_rate"] is None
     assert report["compare_throughput"]["ours/none"] == pytest.approx(1.5)
     assert report["compare_throughput"]["ours/upstream"] == pytest.approx(1.25)
+    assert report["compare_throughput"]["paired"]["ours/upstream"] == pytest.approx(1.25)
     assert all(r["exit_code"] == 0 for r in report["impls"].values())
+    with pytest.raises(SystemExit):
+        v4_probe.parse_args(["--throughput", "2", "--throughput-warmup", "-1"])
+
+
+def test_v4_probe_paired_ratios_are_medians_of_per_round_ratios_without_warmups():
+    """compare_throughput's ``paired``: per round a/b, the median over the rounds both measured;
+    warm-up rounds and failed runs left out; the ratio of medians beside it."""
+    import v4_probe
+
+    def server(rates, warm=None):
+        runs = ([{"round": -1, "warmup": True, "decode_tok_s": warm}] if warm else [])
+        runs += [{"round": k, "decode_tok_s": r} if r else {"round": k, "error": "x"} for k, r in enumerate(rates)]
+        return {"throughput": {"runs": runs, "summary": v4_probe.summarize_throughput(
+            [dict(r, tpot_ms=1.0, max_running=1, wall_s=1.0) if "decode_tok_s" in r else r for r in runs])}}
+
+    impls = {"ours": server([100.0, 300.0, 200.0, None], warm=1.0), "upstream": server([200.0, 100.0, 100.0, 50.0])}
+    compared = v4_probe.compare_throughput(impls)
+    # rounds 0-2 both measured: ratios 0.5, 3.0, 2.0 -> median 2.0; medians 200 / 100 -> 2.0 as well here
+    assert compared["paired"]["ours/upstream"] == pytest.approx(2.0)
+    assert compared["paired"]["upstream/ours"] == pytest.approx(0.5)
+    assert impls["ours"]["throughput"]["summary"]["measured"] == 3
 
 
 # --- prefix_bench: the prefix-reuse driver (issue 43), without servers ------------------------------

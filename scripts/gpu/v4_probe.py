@@ -61,7 +61,8 @@ batch shapes, so a token-identical comparison needs the same decode numerics on 
 Throughput phase (``--throughput N``, instead of the other phases; issue 42's paired point under
 pressure): every server starts side by side, then each in turn (the others idle, so no GPU work is
 shared) serves N prompts of ``--throughput-context`` tokens in one batched call with
-``--throughput-new-tokens`` greedy tokens, ``--throughput-repeats`` rounds over the servers; decode
+``--throughput-new-tokens`` greedy tokens, ``--throughput-warmup`` rounds (recorded, not counted) then
+``--throughput-repeats`` rounds over the servers; decode
 tokens/s, TPOT and the most requests decoding at once come from the call's step lines
 (``decode_log.decode_stats``), ours' misses and pools from its idle line; ``compare_throughput``
 gives every ratio (``ours/none``, ``ours/upstream``). The servers run as a user's would: SGLang's
@@ -264,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--throughput-context", type=int, default=12000, metavar="L", help="prompt tokens per request")
     t.add_argument("--throughput-new-tokens", type=int, default=128, metavar="T", help="greedy tokens per request")
     t.add_argument("--throughput-repeats", type=int, default=2, help="rounds over the servers (paired, alternating)")
+    t.add_argument("--throughput-warmup", type=int, default=1,
+                   help="rounds before the measured ones, recorded but left out of the medians (first-use JIT "
+                        "and caches: gpu_v4probe8's first round ran 10x slower on one server)")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp/out"), "v4probe.json"))
     args = p.parse_args(argv)
     args.impl_list = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -304,6 +308,8 @@ def _check_throughput(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         return
     if args.throughput < 0 or args.throughput_repeats < 1 or args.throughput_new_tokens < 1:
         p.error("--throughput, --throughput-repeats and --throughput-new-tokens must be positive")
+    if args.throughput_warmup < 0:
+        p.error(f"--throughput-warmup {args.throughput_warmup}: must be >= 0")
     if args.concurrent:
         p.error("--throughput replaces the other phases: leave out --concurrent")
     end = args.throughput_context + args.throughput_new_tokens
@@ -805,7 +811,8 @@ def measure_throughput(server: Any, impl: str, batch: list[list[int]], new_token
 
 
 def summarize_throughput(runs: list[dict]) -> dict:
-    """Medians over a server's measured runs (those without an error)."""
+    """Medians over a server's measured runs (those without an error, warm-up rounds left out)."""
+    runs = [r for r in runs if not r.get("warmup")]
     good = [r for r in runs if "decode_tok_s" in r]
     if not good:
         return {"runs": len(runs), "measured": 0}
@@ -819,11 +826,24 @@ def summarize_throughput(runs: list[dict]) -> dict:
 
 
 def compare_throughput(impls: dict) -> dict:
-    """Each server's decode tok/s over every other's (medians of the rounds), e.g. ``ours/none``."""
+    """Each server's decode tok/s over every other's: the ratio of their medians (``ours/none``),
+    and under ``paired`` the median of the per-round ratios (rounds both measured, warm-ups left
+    out: the servers of one round ran back to back, so drift between rounds cancels)."""
     rates = {name: row["throughput"]["summary"].get("decode_tok_s") for name, row in impls.items()
              if row.get("throughput")}
-    return {f"{a}/{b}": rates[a] / rates[b] for a in rates for b in rates
-            if a != b and rates[a] and rates[b]}
+    out: dict = {f"{a}/{b}": rates[a] / rates[b] for a in rates for b in rates
+                 if a != b and rates[a] and rates[b]}
+    by_round = {name: {r["round"]: r["decode_tok_s"] for r in row["throughput"]["runs"]
+                       if not r.get("warmup") and r.get("decode_tok_s")}
+                for name, row in impls.items() if row.get("throughput")}
+    paired = {}
+    for a in by_round:
+        for b in by_round:
+            common = sorted(set(by_round[a]) & set(by_round[b]))
+            if a != b and common:
+                paired[f"{a}/{b}"] = statistics.median(by_round[a][k] / by_round[b][k] for k in common)
+    out["paired"] = paired
+    return out
 
 
 def run_throughput(args: argparse.Namespace, inputs: list[list[int]], deadline: float,
@@ -842,7 +862,8 @@ def run_throughput(args: argparse.Namespace, inputs: list[list[int]], deadline: 
     for impl in live:
         started[impl][0]["throughput"] = {"runs": []}
     try:
-        for round_ in range(args.throughput_repeats):
+        warmup = args.throughput_warmup
+        for round_ in range(warmup + args.throughput_repeats):
             for impl in live:
                 row, server = started[impl]
                 if time.time() > deadline - 30:
@@ -850,7 +871,9 @@ def run_throughput(args: argparse.Namespace, inputs: list[list[int]], deadline: 
                     continue
                 run = measure_throughput(server, impl, inputs, args.throughput_new_tokens,
                                          timeout=min(args.request_timeout, deadline - time.time()))
-                run["round"] = round_
+                run["round"] = round_ - warmup  # negative: a warm-up round
+                if round_ < warmup:
+                    run["warmup"] = True
                 row["throughput"]["runs"].append(run)
                 print(f"[v4probe] {impl} throughput round {round_}: {json.dumps(run)[:300]}", flush=True)
     finally:
@@ -918,7 +941,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.throughput:
         report["lengths"] = []
         report["throughput"] = {"n": args.throughput, "context": args.throughput_context,
-                                "new_tokens": args.throughput_new_tokens, "repeats": args.throughput_repeats}
+                                "new_tokens": args.throughput_new_tokens, "repeats": args.throughput_repeats,
+                                "warmup": args.throughput_warmup}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
