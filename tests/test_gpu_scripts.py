@@ -1310,3 +1310,20 @@ def test_v4_probe_residency_variants_set_the_key_explicitly():
     assert json.loads(v4_probe.hisparse_config("ours_hot@4096", args))["device_buffer_size"] == 4096
     assert v4_probe.log_name("ours_hot@4096") == "v4_ours_hot_B4096"
     assert v4_probe.parse_args([]).impls == "none,upstream,ours"
+
+
+def test_v4_throughput_and_pd_rows_name_the_servers_by_todays_defaults():
+    """collect.py's V4 rows of gpu_v4probe9 and gpu_v4pd1 (the H100 calls made while C4 residency
+    was V4's default): ``ours`` then is ``ours_resident`` now, ``ours_hot`` then is ``ours`` now;
+    the paired ratios are the medians of the per-round ratios; PD phase 1 exact for both of ours."""
+    import collect
+
+    rows = {r["impl"]: r for r in collect.v4_throughput_rows("gpu_v4probe9")}
+    assert rows["ours"]["impl_in_run"] == "ours_hot" and rows["ours"]["residency"] is False
+    assert rows["ours_resident"]["impl_in_run"] == "ours" and rows["ours_resident"]["residency"] is True
+    assert rows["ours"]["paired_ratio_vs"]["upstream"] == pytest.approx(0.974, abs=1e-3)
+    assert rows["ours"]["decode_tok_s"] / rows["upstream"]["decode_tok_s"] == pytest.approx(1.094, abs=1e-3)
+    assert all(r["pools_back_to_initial"] for name, r in rows.items() if name.startswith("ours"))
+    pd = {r["impl"]: r for r in collect.v4_pd_rows("gpu_v4pd1")}
+    assert (pd["ours"]["identical"], pd["ours_resident"]["identical"], pd["upstream"]["identical"]) == (6, 6, 5)
+    assert pd["ours"]["pools_back_to_initial"] and pd["ours"]["pd"] and pd["ours"]["sequences"] == 6

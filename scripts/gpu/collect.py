@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import statistics
 import sys
 import tarfile
 from pathlib import Path
@@ -336,6 +337,13 @@ def v4_throughput_rows(run: str) -> list[dict]:
     (paired: every server once per round, the others idle), the spread, TPOT, requests held,
     ours' miss rate and pools, and every round's tok/s."""
     data = json.loads((RESULTS / run / "v4probe.json").read_text())
+    by_round = {impl: {r["round"]: r["decode_tok_s"] for r in info["throughput"]["runs"]
+                       if not r.get("warmup") and r.get("decode_tok_s")} for impl, info in data["impls"].items()}
+
+    def paired(a: str, b: str) -> float:
+        """Median over the rounds both measured of a's tok/s over b's (drift between rounds cancels)."""
+        return statistics.median(by_round[a][k] / by_round[b][k] for k in set(by_round[a]) & set(by_round[b]))
+
     rows = []
     for impl, info in data["impls"].items():
         summary, runs = info["throughput"]["summary"], info["throughput"]["runs"]
@@ -349,6 +357,8 @@ def v4_throughput_rows(run: str) -> list[dict]:
                      "tpot_ms": summary["tpot_ms"], "held": summary["held"], "miss_rate": summary["miss_rate"],
                      "pools_back_to_initial": summary["pools_back_to_initial"],
                      "rounds_tok_s": [r.get("decode_tok_s") for r in runs],
+                     "paired_ratio_vs": {v4_impl_label(run, other): paired(impl, other) for other in by_round
+                                         if other != impl},
                      "device": data["device"]["nvidia_smi"], "run": run})
     return rows
 
