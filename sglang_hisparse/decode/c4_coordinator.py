@@ -281,12 +281,14 @@ class C4Coordinator:
             self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
             rows[torch.tensor(in_hot).to(device)] = self.hot.rows_of_positions(req_pool_indices[sel.to(device)],
                                                                                 newest.to(device))
+        sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
+        entry_ids = out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO  # the completed entries' compressed ids
         own = [k for k, r in enumerate(resident) if r]
         if own:
-            rows[torch.tensor(own).to(device)] = self.residency.grow(
-                [completing[k][0] for k in own], [completing[k][1] for k in own]).to(device)
-        sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
-        self.rows.map_logical(out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO, rows)
+            at = torch.tensor(own).to(device)
+            rows[at] = self.residency.grow([completing[k][0] for k in own], [completing[k][1] for k in own],
+                                           entry_ids[at]).to(device)
+        self.rows.map_logical(entry_ids, rows)
 
     def _note_decode_step(self) -> None:
         """Count a decode step; every export interval publish the counters' latest host copy."""
@@ -299,7 +301,9 @@ class C4Coordinator:
 
     def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
         """The entry each request completed in the previous step (the one after its mirrored
-        entries), from its slot to a host row (:meth:`C4Mirror.back_up`)."""
+        entries), from its device row to a host row (:meth:`C4Mirror.back_up`). The row is the
+        one the previous step mapped the entry's compressed id to (its hot-buffer slot or, resident,
+        its own row), read through the mapping: one lookup for the batch, whatever the path."""
         rows_i, reqs, entries = [], [], []
         for i, (n, idx) in enumerate(zip(lens, idxs)):
             completed = (n - 1) // C4_RATIO
@@ -309,17 +313,10 @@ class C4Coordinator:
                 reqs.append(idx)
                 entries.append(completed - 1)
         if reqs:
-            device = req_pool_indices.device
-            where = torch.tensor(rows_i, dtype=torch.int64).to(device)
-            device_rows = self.hot.rows_of_positions(req_pool_indices[where], torch.tensor(entries).to(device))
-            if self.residency is not None and self.residency.residency.count():
-                resident = [k for k, idx in enumerate(reqs) if self.residency.residency.holds(idx)]
-                if resident:
-                    at = torch.tensor(resident).to(device)
-                    device_rows[at] = self.residency.rows_of(
-                        torch.tensor([reqs[k] for k in resident]), torch.tensor([entries[k] for k in resident])
-                    ).to(device)
-            self.mirror.back_up(reqs, entries, device_rows)
+            req_to_token = self.req_to_token_pool.req_to_token
+            where = torch.tensor([rows_i, [k * C4_RATIO + C4_RATIO - 1 for k in entries]]).to(req_to_token.device)
+            tokens = req_to_token[req_pool_indices[where[0]].to(req_to_token.device), where[1]]
+            self.mirror.back_up(reqs, entries, self.rows.device_rows_of(tokens.to(torch.int64) // C4_RATIO))
 
     def wait_for_pending_backup(self) -> None:
         """Order the forward after the last backup copy (it may overwrite no row the copy reads

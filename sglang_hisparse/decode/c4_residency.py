@@ -95,12 +95,6 @@ class ResidentEntries:
         columns = torch.arange(entries, device=self.req_to_token.device) * C4_RATIO + (C4_RATIO - 1)
         return self.req_to_token[idx, columns].to(torch.int64) // C4_RATIO
 
-    def rows_of(self, idxs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Device rows (int64) of resident requests' ``entries`` (their pages' first entries'
-        rows plus the offsets; ``idxs``: request slots)."""
-        tokens = self.req_to_token[idxs.to(self.req_to_token.device), (entries * C4_RATIO + C4_RATIO - 1).to(self.req_to_token.device)]
-        return self.rows.resident_rows_of(tokens.to(torch.int64) // C4_RATIO)
-
     def step_rows_needed(self, completing: list[tuple[int, int]]) -> int:
         """Free rows a step takes for the requests ``(slot, entries after the step)`` whose token
         completes an entry: a page for a resident one starting a page, a short hot buffer's growth."""
@@ -135,14 +129,14 @@ class ResidentEntries:
             for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
                 self.demote(idx)
 
-    def grow(self, idxs: list[int], entries: list[int]) -> torch.Tensor:
-        """Resident requests ``idxs`` whose step completes their entry ``entries[i] - 1``: the row
-        each new entry goes to (int64): a new page's first row where it starts one, else the row
-        at its offset in its last page (whose first entry is mapped). The caller relieved pressure
-        first and maps the rows."""
+    def grow(self, idxs: list[int], entries: list[int], entry_ids: torch.Tensor) -> torch.Tensor:
+        """Resident requests ``idxs`` whose step completes their entry ``entries[i] - 1``
+        (compressed ids ``entry_ids``, on the device): the row each new entry goes to (int64): a
+        new page's first row where it starts one, else the row at its offset in its last page
+        (whose first entry is mapped). The caller relieved pressure first and maps the rows."""
         idx_np, n_np = np.asarray(idxs, dtype=np.int64), np.asarray(entries, dtype=np.int64)
         new_page, pages = self.residency.grow(idx_np, n_np)
-        rows = self.rows_of(torch.from_numpy(idx_np), torch.from_numpy(n_np - 1))
+        rows = self.rows.resident_rows_of(entry_ids)
         if pages is not None:
             rows[torch.from_numpy(new_page).to(rows.device)] = pages.to(rows.device) * self.hot.page_size
         return rows
