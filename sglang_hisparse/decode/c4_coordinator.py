@@ -261,12 +261,17 @@ class C4Coordinator:
         lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
         self._busy = True
         self._note_decode_step()
-        if self.residency is not None:
-            self.residency.note_batch(idxs)
         self._back_up_previous_entries(lens, idxs, req_pool_indices)
         done = [i for i, n in enumerate(lens) if n % C4_RATIO == 0]
-        if not done:
-            return
+        if done:
+            self._map_completed_entries(done, lens, idxs, out_cache_loc, req_pool_indices, req_pool_indices_cpu)
+        if self.residency is not None:
+            self.residency.note_batch(idxs)  # the batch order of this step's selections, for a later demotion
+
+    def _map_completed_entries(self, done: list[int], lens: list[int], idxs: list[int], out_cache_loc,
+                               req_pool_indices, req_pool_indices_cpu) -> None:
+        """Map the entry each request of batch rows ``done`` completes with this step's token to
+        its row (see :meth:`map_last_loc_to_buffer`)."""
         completing = [(idxs[i], lens[i] // C4_RATIO) for i in done]
         resident = [False] * len(done)
         if self.residency is not None and self.residency.residency.count():

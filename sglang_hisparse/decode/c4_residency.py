@@ -1,7 +1,8 @@
 """DeepSeek-V4: residency of C4 entries, and demotion to a hot buffer under pressure.
 
 Opt-in (``"residency": true``): V4's default is hot buffers, which decoded faster on an H100 under
-pressure (``config.V4_RESIDENCY_DEFAULT``; why residency costs more per step is not known yet).
+pressure (``config.V4_RESIDENCY_DEFAULT``); residency's host work per step was cut after that
+measurement (rows read through the mapping, docs/deepseek_v4/gpu-probe.md) and is not re-measured.
 
 The DSA path's mechanism and policy (:class:`~sglang_hisparse.memory.residency.Residency`,
 :class:`~sglang_hisparse.memory.residency.ResidencyPolicy`) work unchanged in the compressed view:
@@ -88,6 +89,7 @@ class ResidentEntries:
 
     # --- decode steps ----------------------------------------------------------------------------
     def note_batch(self, idxs: list[int]) -> None:
+        """The request slots of the step about to run, in batch order: its selections' rows."""
         self._last_batch = torch.tensor(idxs, dtype=torch.int64)
 
     def entry_ids(self, idx: int, entries: int) -> torch.Tensor:
