@@ -5,10 +5,12 @@ plays its part: every C4 entry of every request and layer has known bytes; the "
 an entry where the C4 pool's mapping says (prefill: each completed entry; decode: the entry the
 step's token completes), the "indexer" selects random entries (the newest at times) and the rows
 ``swap_in_selected_pages`` returns must hold exactly the selected entries' bytes, in every layer,
-whatever the path (fast, long, misses copied from host). Requests of 0 to 700 entries against
-B = 128, finishing at prefill, in staging, and after decoding; every pool back to its initial
-state at the end. The reference resolver runs the C4 path here; the kernel's C4 path is checked
-against it by tests/test_kernel_emulation.py and on the GPU.
+whatever the path (fast, long, misses copied from host, resident). Requests of 0 to 725 entries
+against B = 128, prefilled here or admitted from a PD transfer (SGLang's direct-to-host calls, the
+transfer writing whole pages), with residency off (V4's default) and on (demotions under prefill
+and decode pressure), finishing at prefill, in staging, before their transfer and after decoding;
+every pool back to its initial state at the end. The reference resolver runs the C4 path here;
+the kernel's C4 path is checked against it by tests/test_kernel_emulation.py and on the GPU.
 """
 
 from __future__ import annotations
