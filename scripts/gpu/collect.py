@@ -435,19 +435,12 @@ def main() -> int:
         if measured and "decode_steps" not in measured[0]:
             measured = server_side_throughput(run, measured)
         throughput += [dict({k: v for k, v in r.items() if k not in CLIENT_SIDE}, run=run) for r in measured]
-    for run in V4_PROBES:
-        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
-        exactness += v4_probe_rows(run)
-    for run in V4_CONCURRENT:
-        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
-        exactness += v4_concurrent_rows(run)
-    v4_throughput = []
-    for run in V4_THROUGHPUT:
-        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
-        v4_throughput += v4_throughput_rows(run)
-    for run in V4_PD:
-        commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
-        exactness += v4_pd_rows(run)
+    v4_throughput: list[dict] = []
+    for runs, rows_of, into in ((V4_PROBES, v4_probe_rows, exactness), (V4_CONCURRENT, v4_concurrent_rows, exactness),
+                                (V4_THROUGHPUT, v4_throughput_rows, v4_throughput), (V4_PD, v4_pd_rows, exactness)):
+        for run in runs:  # the V4 calls: each folder's COMMAND and its rows
+            commands.append((RESULTS / run / "COMMAND").read_text().splitlines()[0])
+            into += rows_of(run)
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
            "throughput": throughput, "v4_throughput": v4_throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
