@@ -444,6 +444,12 @@ def main() -> int:
     out = {"machine": machine(), "commands": commands, "exactness": exactness, "controls": controls,
            "throughput": throughput, "v4_throughput": v4_throughput}
     (RESULTS / "e2e_gpu.json").write_text(json.dumps(out, indent=1) + "\n")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"wrote {RESULTS / 'e2e_gpu.json'}; e2e_gpu_throughput.png needs matplotlib "
+              "(pip install matplotlib), not drawn", file=sys.stderr)
+        return 1
     plot(throughput, RESULTS / "e2e_gpu_throughput.png")
     print(f"wrote {RESULTS / 'e2e_gpu.json'} and e2e_gpu_throughput.png")
     return 0
