@@ -351,7 +351,9 @@ def config_from_server_args(server_args: Any) -> HiSparseConfig:
 
 
 def is_v4_model(model_config: Any) -> bool:
-    """Whether an SGLang ``ModelConfig`` is DeepSeek-V4 (SGLang's own test on its ``hf_config``)."""
+    """Whether an SGLang ``ModelConfig`` is DeepSeek-V4 (SGLang's own test on its ``hf_config``;
+    a config without one, as a stand-in's, is not)."""
     from sglang.srt.configs.model_config import is_deepseek_v4
 
-    return bool(is_deepseek_v4(model_config.hf_config))
+    hf_config = getattr(model_config, "hf_config", None)
+    return hf_config is not None and bool(is_deepseek_v4(hf_config))

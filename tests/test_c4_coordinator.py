@@ -414,9 +414,9 @@ def test_metrics_follow_the_c4_counters_and_every_idle_report_publishes_exact_to
     scheduler = SimpleNamespace(hisparse_coordinator=rig.coord, metrics_reporter=SimpleNamespace(enable_metrics=True),
                                 server_args=SimpleNamespace(served_model_name="tiny-dsv4"))
     metrics_seam.export_metrics(None, scheduler, 0, 0, None)
-    export = rig.coord._export[0]
+    export = rig.coord.report._export[0]
     assert export.row_bytes == 584 and export.labels == {"model_name": "tiny-dsv4", "tp_rank": "0"}
-    rig.coord._export = (export, 5, rig.coord._export[2])  # publish every 5 steps here
+    rig.coord.report._export = (export, 5, rig.coord.report._export[2])  # publish every 5 steps here
     reqs = [rig.prefill(0, 2901), rig.prefill(1, 600)]
     rig.coord.collect_ready_reqs()
     for _ in range(10):

@@ -48,13 +48,14 @@ import torch
 from sglang_hisparse.config import HiSparseConfig
 from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import agreed_count
+from sglang_hisparse.decode.c4_report import C4Report
 from sglang_hisparse.decode.c4_residency import ResidentEntries
+from sglang_hisparse.decode.c4_steps import C4Steps
 from sglang_hisparse.decode.startup import build_resolver, residency_label, reuse_levels_for
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_mirror import C4Mirror
 from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.hot_buffers import HotBuffers
-from sglang_hisparse.metrics import CounterReader, Gauges
 from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_RATIO, completed_entry_ids
 from sglang_hisparse.stats import HiSparseTokenStats, token_stats
 
@@ -87,7 +88,6 @@ class C4Coordinator:
         self.counters = torch.zeros(2, dtype=torch.int64, device=device)
         """(selected, misses) over every C4 layer call since start-up."""
         self._producer_stream = None
-        self._waiting_since: Optional[str] = None
         resolver = build_resolver(config, device=device, max_reqs=max_reqs, top_k=top_k, row_bytes=C4_ITEM_BYTES,
                                   buffer_size=device_buffer_size)
         selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
@@ -105,11 +105,10 @@ class C4Coordinator:
             residency_tables=self.residency.resolver_tables if self.residency is not None else {},
             reuse_levels=reuse_levels_for(device) if config.replacement == "reuse" else None,
             layer_rows=self.mirror.layer_rows, compress_ratio=C4_RATIO)
-        self._initial_free = self.free_counts()
-        self._busy = False
-        self._decode_steps = 0
-        self._export: Optional[tuple[Any, int, CounterReader]] = None
-        """(PrometheusExport, steps between publications, the counters' reader) with --enable-metrics."""
+        self._steps = C4Steps(rows=self.rows, hot=self.hot, mirror=self.mirror, residency=self.residency,
+                              req_to_token=req_to_token)
+        self.report = C4Report(allocator=self.allocator, hot=self.hot, mirror=self.mirror, residency=self.residency,
+                               counters=self.counters)
         logger.info("sglang-hisparse coordinator (DeepSeek-V4 C4 layers): B=%d entries, top_k=%d, C4 layers=%d, "
                     "resolver=%s, %d C4 device rows, %d host rows; residency %s", device_buffer_size, top_k,
                     self.device_pool.layer_num, resolver.name, self.rows.device_size, self.mirror.pool.capacity_tokens,
@@ -134,48 +133,12 @@ class C4Coordinator:
         self.mirror.drain()
 
     def export_to(self, export, interval: int = 40) -> None:
-        """Publish our series to ``export`` (``sglang_hisparse.metrics.PrometheusExport``) every
-        ``interval`` decode steps without a host stall, and exactly at every idle report."""
-        self._export = (export, interval, CounterReader(self.counters))
-
-    def gauges(self) -> Gauges:
-        """The gauges of the metrics export (and the demotions counter), read on the host."""
-        residency = self.residency.residency if self.residency is not None else None
-        return Gauges(staging_requests=self.mirror.staged_count(),
-                      host_rows_used=self.mirror.host_entries_used(),
-                      host_rows_capacity=self.mirror.pool.capacity_tokens,
-                      hot_buffers_in_use=sum(1 for held in self.hot.capacity if held),
-                      resident_requests=residency.count() if residency is not None else 0,
-                      demotions_total=residency.demotions_total if residency is not None else 0)
-
-    def free_counts(self) -> dict[str, int]:
-        """Free token ids (full and SWA), C4 device rows and C4 host rows (their initial values
-        when no request is live)."""
-        tokens = self.allocator.logical_attn_allocator
-        return {"token_free": int(tokens.full_available_size()), "swa_free": int(tokens.swa_available_size()),
-                "c4_rows_free": self.rows.rows.room(), "c4_host_free": self.mirror.pool.available_size()}
+        """--enable-metrics: publish our series to ``export`` (:meth:`C4Report.export_to`)."""
+        self.report.export_to(export, interval)
 
     def idle_report(self) -> Optional[str]:
-        """Once per busy -> idle transition: every pool's free count against its initial value
-        (``leak=yes``, at ERROR, when one differs) and the C4 layers' selected / missed entries
-        (reads the device counters: the server is idle). None when nothing happened since."""
-        if not self._busy:
-            return None
-        self._busy = False
-        counts = self.free_counts()
-        leak = counts != self._initial_free
-        selected, misses = (int(x) for x in self.counters.tolist())
-        if self._export is not None:
-            self._export[0].publish(selected, misses, self._decode_steps, self.gauges())
-        pools = " ".join(f"{name}={value}/{self._initial_free[name]}" for name, value in counts.items())
-        line = (f"sglang-hisparse idle (DeepSeek-V4 C4): {pools} leak={'yes' if leak else 'no'} "
-                f"selected={selected} misses={misses} miss_rate={misses / selected if selected else 0.0:.4f}")
-        if self.residency is not None:
-            r = self.residency.residency
-            line += (f" resident={r.count()} admitted_resident={r.admitted_total} demotions={r.demotions_total}"
-                     f" promotions={r.promotions_total}")
-        (logger.error if leak else logger.info)(line)
-        return line
+        """The idle line once per busy -> idle transition (:meth:`C4Report.idle_report`)."""
+        return self.report.idle_report()
 
     def _entries(self, req, tokens: int) -> torch.Tensor:
         """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete."""
@@ -184,7 +147,7 @@ class C4Coordinator:
     # --- into decode -------------------------------------------------------------------------
     def admit_request_into_staging(self, req) -> None:
         """After prefill: copy the request's entries (every C4 layer) to host rows, off the critical path."""
-        self._busy = True
+        self.report.busy()
         self.mirror.stage(req, self.rows.device_rows_of(self._entries(req, req.extend_range.end)))
 
     def collect_ready_reqs(self) -> List[Any]:
@@ -217,17 +180,13 @@ class C4Coordinator:
             self.mirror.load(idx, torch.tensor([E - 1]), self.hot.slot_rows[idx, B:B + 1].to(torch.int64))
 
     def admit_request_direct(self, req) -> None:
-        """PD decode: the prefill instance wrote the request's completed entries into the host
-        rows SGLang allocated for it (``alloc_paged_token_slots``, ``host_token_len``); its
-        entries' compressed ids are logical only (no C4 row). With residency and room it gets rows
-        of its own, every entry loaded into them; otherwise a hot buffer of new rows (demoting
-        resident requests if none is free): with ``E <= B`` entries, all of them are loaded from
-        host (slot ``p`` holds entry ``p``); a longer request starts empty except for its newest
-        entry, loaded into slot ``B`` (where the resolver reads entry ``E - 1`` until the next
-        entry completes), so no slot is ever read before it holds its entry. Raises
-        HiSparsePluginError when the rows are not free (SGLang's PD admission budget, free and
-        reclaimable rows // ``padded_buffer_size``, should prevent it)."""
-        self._busy = True
+        """PD decode: the prefill wrote the request's entries into the host rows SGLang allocated
+        (``alloc_paged_token_slots``, ``host_token_len``). With residency and room: rows of its own,
+        every entry loaded. Else a hot buffer of new rows: all entries loaded when ``E <= B``, else
+        only the newest, into slot ``B`` (where the resolver reads entry ``E - 1``), so no slot is
+        read before it holds its entry. HiSparsePluginError when no rows are free (the PD budget,
+        free and reclaimable rows // ``padded_buffer_size``, should prevent it)."""
+        self.report.busy()
         idx, E, B = req.req_pool_idx, self.host_token_len(req.kv.kv_allocated_len), self.hot.buffer_size
         self.mirror.mark_transferred(idx, E)
         entries = self._entries(req, req.kv.kv_allocated_len)
@@ -253,91 +212,19 @@ class C4Coordinator:
 
     # --- decode steps --------------------------------------------------------------------------
     def map_last_loc_to_buffer(self, seq_lens, out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu) -> None:
-        """Before a decode step (``seq_lens`` include its token): copy each request's entry the
-        previous step completed to host, then map the entry this step's token completes (if any)
-        to its row: a hot buffer's slot (growing a short buffer by a page where the entry starts
-        one) or a resident request's next row of its own pages, after demoting resident requests
-        if those pages would leave less than the watermark free."""
-        lens, idxs = seq_lens_cpu.tolist(), req_pool_indices_cpu.tolist()
-        self._busy = True
-        self._note_decode_step()
-        self._back_up_previous_entries(lens, idxs, req_pool_indices)
-        done = [i for i, n in enumerate(lens) if n % C4_RATIO == 0]
-        if done:
-            self._map_completed_entries(done, lens, idxs, out_cache_loc, req_pool_indices, req_pool_indices_cpu)
-        if self.residency is not None:
-            self.residency.note_batch(idxs)  # the batch order of this step's selections, for a later demotion
-
-    def _map_completed_entries(self, done: list[int], lens: list[int], idxs: list[int], out_cache_loc,
-                               req_pool_indices, req_pool_indices_cpu) -> None:
-        """Map the entry each request of batch rows ``done`` completes with this step's token to
-        its row (see :meth:`map_last_loc_to_buffer`)."""
-        completing = [(idxs[i], lens[i] // C4_RATIO) for i in done]
-        resident = [False] * len(done)
-        if self.residency is not None and self.residency.residency.count():
-            self.residency.relieve(completing)  # may demote some of them: they then take the hot path
-            resident = [self.residency.residency.holds(idx) for idx, _ in completing]
-        device = req_pool_indices.device
-        rows = torch.empty(len(done), dtype=torch.int64, device=device)
-        in_hot = [k for k, r in enumerate(resident) if not r]
-        if in_hot:
-            sel = torch.tensor([done[k] for k in in_hot], dtype=torch.int64)
-            newest = torch.tensor([completing[k][1] - 1 for k in in_hot], dtype=torch.int64)
-            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
-            rows[torch.tensor(in_hot).to(device)] = self.hot.rows_of_positions(req_pool_indices[sel.to(device)],
-                                                                                newest.to(device))
-        sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
-        entry_ids = out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO  # the completed entries' compressed ids
-        own = [k for k, r in enumerate(resident) if r]
-        if own:
-            at = torch.tensor(own).to(device)
-            rows[at] = self.residency.grow([completing[k][0] for k in own], [completing[k][1] for k in own],
-                                           entry_ids[at]).to(device)
-        self.rows.map_logical(entry_ids, rows)
-
-    def _note_decode_step(self) -> None:
-        """Count a decode step; every export interval publish the counters' latest host copy."""
-        self._decode_steps += 1
-        if self._export is not None and self._decode_steps % self._export[1] == 0:
-            export, _, reader = self._export
-            totals = reader.latest()
-            if totals is not None:
-                export.publish(totals[0], totals[1], self._decode_steps, self.gauges())
-
-    def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
-        """The entry each request completed in the previous step (the one after its mirrored
-        entries), from its device row to a host row (:meth:`C4Mirror.back_up`). The row is the
-        one the previous step mapped the entry's compressed id to (its hot-buffer slot or, resident,
-        its own row), read through the mapping: one lookup for the batch, whatever the path."""
-        rows_i, reqs, entries = [], [], []
-        for i, (n, idx) in enumerate(zip(lens, idxs)):
-            completed = (n - 1) // C4_RATIO
-            if self.mirror.mirrored[idx] < completed:
-                assert self.mirror.mirrored[idx] == completed - 1, "one entry per step at most"
-                rows_i.append(i)
-                reqs.append(idx)
-                entries.append(completed - 1)
-        if reqs:
-            req_to_token = self.req_to_token_pool.req_to_token
-            where = torch.tensor([rows_i, [k * C4_RATIO + C4_RATIO - 1 for k in entries]]).to(req_to_token.device)
-            tokens = req_to_token[req_pool_indices[where[0]].to(req_to_token.device), where[1]]
-            self.mirror.back_up(reqs, entries, self.rows.device_rows_of(tokens.to(torch.int64) // C4_RATIO))
+        """Before a decode step: back up the previous step's new entries, map this step's
+        (:meth:`C4Steps.map_one_step`)."""
+        self.report.busy()
+        self.report.note_decode_step()
+        self._steps.map_one_step(out_cache_loc, req_pool_indices, seq_lens_cpu, req_pool_indices_cpu)
 
     def wait_for_pending_backup(self) -> None:
-        """Order the forward after the last backup copy (it may overwrite no row the copy reads
-        in this step, but the ordering keeps the invariant simple: C4Mirror)."""
+        """Order the forward after the last backup copy (the invariant of C4Mirror)."""
         self.mirror.order_forward()
 
     def device_rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:
-        """C4 rows the next decode step of these requests lacks (0: it fits), after every
-        demotion that could help; no side effects. Only a step whose token completes an entry
-        takes a row (a short hot buffer's next page, a resident request's next page)."""
-        completing = [(idx, (n + 1) // C4_RATIO) for idx, n in zip(req_pool_indices, committed_lens)
-                      if (n + 1) % C4_RATIO == 0]
-        if self.residency is not None:
-            return self.residency.rows_short(completing)
-        need = self.hot.step_growth([idx for idx, _ in completing], [e for _, e in completing])
-        return max(0, need - self.rows.rows.room())
+        """C4 rows the next decode step lacks, after every demotion that could help (:meth:`C4Steps.rows_short`)."""
+        return self._steps.rows_short(req_pool_indices, committed_lens)
 
     def swap_in_selected_pages(self, req_pool_indices, compressed_seq_lens, top_k_result, layer_id: int) -> torch.Tensor:
         """One C4 layer's top-k entries (raw compressed positions; ``compressed_seq_lens``: each
@@ -352,7 +239,7 @@ class C4Coordinator:
         idx = req.req_pool_idx
         if idx is None:
             return
-        self._busy = True
+        self.report.busy()
         if self.mirror.is_staged(req):
             self.mirror.staging.drop(req)
             self.rows.free_prefill_rows(self._entries(req, req.extend_range.end))

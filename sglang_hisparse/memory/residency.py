@@ -101,12 +101,10 @@ class ResidencyPolicy:
 
 
 class Residency(ResidentSlots):
-    """Resident request slots and their rows (see the module docstring); the record of who is
-    resident, with how many positions and pages, is :class:`ResidentSlots`.
-
-    ``allocator``: our :class:`~sglang_hisparse.memory.allocator.HiSparseAllocator` (mapping and rows);
-    ``hot``: the :class:`~sglang_hisparse.memory.hot_buffers.HotBuffers` a demoted request moves into.
-    """
+    """Resident request slots and their rows (module docstring; who is resident, with how many
+    positions and pages: :class:`ResidentSlots`). ``allocator``: the rows and mapping (DSA's
+    ``HiSparseAllocator``, or DeepSeek-V4's ``C4Rows``); ``hot``: the hot buffers a demoted request
+    moves into."""
 
     def __init__(self, allocator, hot, *, max_reqs: int, device: torch.device, policy: ResidencyPolicy):
         super().__init__(max_reqs=max_reqs, page_size=allocator.page_size, padded=hot.padded)
@@ -137,10 +135,8 @@ class Residency(ResidentSlots):
                                              if idx in self._members)
 
     def first_victim(self) -> Optional[int]:
-        """The resident request slot to demote next (policy order), or None when no demotion
-        would free rows. No side effects."""
-        victims = self.policy.victims(self.reclaimable(), self.lengths)
-        return victims[0] if victims else None
+        """The resident slot to demote next (policy order); None when no demotion frees rows."""
+        return next(iter(self.policy.victims(self.reclaimable(), self.lengths)), None)
 
     def short_of_a_page(self, at_page_start: list[tuple[int, int]], room: int) -> list[int]:
         """The resident requests among ``at_page_start`` to demote so that the others' new pages
