@@ -44,13 +44,14 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from sglang_hisparse.decode.pressure import PressureRelief
 from sglang_hisparse.memory.residency import Residency, ResidencyPolicy
 from sglang_hisparse.resolver.c4_rows import C4_RATIO, C4PagedRows
 
 logger = logging.getLogger(__name__)
 
 
-class ResidentEntries:
+class ResidentEntries(PressureRelief):
     def __init__(self, residency: Residency, *, rows, hot, mirror, device_pool, req_to_token: torch.Tensor,
                  selections: torch.Tensor, quiesce: Callable[[], None]):
         self.residency = residency
@@ -111,25 +112,16 @@ class ResidentEntries:
 
     def rows_short(self, completing: list[tuple[int, int]]) -> int:
         """C4 rows the step lacks after every demotion that could help (0: it fits). No side effects."""
-        short = self.step_rows_needed(completing) - self.rows.rows.room()
-        if short <= 0:
-            return 0
-        at_page_start = [(idx, n) for idx, n in completing if (n - 1) % self.hot.page_size == 0]
-        return max(0, short - self.residency.relief(at_page_start))
+        return self.shortfall(self._at_page_start(completing), self.step_rows_needed(completing))
 
     def relieve(self, completing: list[tuple[int, int]]) -> None:
         """Before the step's rows are taken: demote (policy order) until they leave the watermark
         free, then the requests whose demotion removes a page need until they fit."""
-        residency, rows = self.residency, self.rows.rows
-        while residency.reclaimable_rows() and rows.room() - self.step_rows_needed(completing) < residency.policy.watermark_rows:
-            if not self.demote_one():
-                break
-        taken = self.step_rows_needed(completing)
-        if rows.room() < taken:
-            at_page_start = [(idx, n) for idx, n in completing if (n - 1) % self.hot.page_size == 0]
-            resident_need = residency.rows_needed(at_page_start)
-            for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
-                self.demote(idx)
+        self.relieve_for(self._at_page_start(completing), lambda: self.step_rows_needed(completing))
+
+    def _at_page_start(self, completing: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The requests among ``completing`` whose new entry starts a page."""
+        return [(idx, n) for idx, n in completing if (n - 1) % self.hot.page_size == 0]
 
     def grow(self, idxs: list[int], entries: list[int], entry_ids: torch.Tensor) -> torch.Tensor:
         """Resident requests ``idxs`` whose step completes their entry ``entries[i] - 1``
@@ -143,20 +135,7 @@ class ResidentEntries:
             rows[torch.from_numpy(new_page).to(rows.device)] = pages.to(rows.device) * self.hot.page_size
         return rows
 
-    # --- demotion --------------------------------------------------------------------------------
-    def reclaim(self, rows: int) -> None:
-        """Demote resident requests (policy order) until ``rows`` C4 rows are free or none is left
-        whose demotion frees rows (the allocator's reclaimer, for a prefill)."""
-        while self.rows.rows.room() < rows and self.demote_one():
-            pass
-
-    def demote_one(self) -> bool:
-        victim = self.residency.first_victim()
-        if victim is None:
-            return False
-        self.demote(victim)
-        return True
-
+    # --- demotion (reclaim, demote_one: PressureRelief) ------------------------------------------
     def demote(self, idx: int) -> None:
         """Resident request slot ``idx`` with ``E`` entries moves into a hot buffer of its own
         rows (see the module docstring for the ordering)."""

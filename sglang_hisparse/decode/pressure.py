@@ -31,7 +31,61 @@ from sglang_hisparse.memory.residency import Residency, ResidencyPolicy
 logger = logging.getLogger(__name__)
 
 
-class ResidentDecode:
+class PressureRelief:
+    """Demotion under pressure, one algorithm for the DSA driver (:class:`ResidentDecode`) and the
+    DeepSeek-V4 one (``decode/c4_residency.py``, ``ResidentEntries``). The driver provides
+    ``residency`` (its :class:`Residency`, whose ``allocator.rows`` are the device rows) and
+    ``demote(idx)``; the rows a step takes are the driver's own count, passed as ``taken``."""
+
+    residency: Residency
+
+    def demote(self, idx: int) -> None:
+        raise NotImplementedError
+
+    def _free_rows(self) -> int:
+        return self.residency.allocator.rows.room()
+
+    def reclaim(self, rows: int) -> None:
+        """Demote resident requests (policy order) until ``rows`` device rows are free or none is
+        left whose demotion frees rows (the allocator's reclaimer, for a prefill)."""
+        while self._free_rows() < rows and self.demote_one():
+            pass
+
+    def demote_one(self) -> bool:
+        """Demote the policy's first victim; False when no demotion would free rows."""
+        victim = self.residency.first_victim()
+        if victim is None:
+            return False
+        self.demote(victim)
+        return True
+
+    def shortfall(self, at_page_start: list[tuple[int, int]], taken: int) -> int:
+        """Rows a step taking ``taken`` free rows lacks after every demotion that could help (0: it
+        fits); ``at_page_start``: ``(slot, length)`` of the step's requests whose newest position
+        starts a page. No side effects."""
+        short = taken - self._free_rows()
+        if short <= 0:
+            return 0
+        return max(0, short - self.residency.relief(at_page_start))
+
+    def relieve_for(self, at_page_start: list[tuple[int, int]], taken: Callable[[], int]) -> bool:
+        """Demote (policy order) until the step's new rows (``taken()``, counted again after each
+        demotion) leave the watermark free, then, if they still do not fit, the requests whose
+        demotion removes a page need. True when it demoted."""
+        residency = self.residency
+        demotions = residency.demotions_total
+        while (residency.reclaimable_rows() and
+               self._free_rows() - taken() < residency.policy.watermark_rows and self.demote_one()):
+            pass
+        need = taken()
+        if self._free_rows() < need:
+            resident_need = residency.rows_needed(at_page_start)
+            for idx in residency.short_of_a_page(at_page_start, self._free_rows() - (need - resident_need)):
+                self.demote(idx)
+        return residency.demotions_total != demotions
+
+
+class ResidentDecode(PressureRelief):
     def __init__(self, residency: Residency, *, hot, mirror, allocator, req_to_token: torch.Tensor,
                  selections: torch.Tensor, quiesce: Callable[[], None]):
         self.residency = residency
@@ -96,25 +150,11 @@ class ResidentDecode:
         ``seq_len - 1`` starts a page, the only ones that take free rows (a short hot buffer's
         growth and a resident request's new page both happen there). What :meth:`newest_rows`
         reaches by demoting when it must. No side effects."""
-        short = self._rows_taken(at_page_start) - self.allocator.rows.room()
-        if short <= 0:
-            return 0
-        return max(0, short - self.residency.relief(at_page_start))
+        return self.shortfall(at_page_start, self._rows_taken(at_page_start))
 
     def _relieve(self, at_page_start: list[tuple[int, int]]) -> bool:
-        """Demote (policy order) until the step's new rows leave the watermark free, then, if they
-        still do not fit, the requests whose demotion removes a page need. True when it demoted."""
-        residency, rows = self.residency, self.allocator.rows
-        demotions = residency.demotions_total
-        while (residency.reclaimable_rows() and
-               rows.room() - self._rows_taken(at_page_start) < residency.policy.watermark_rows):
-            self.demote_one()
-        taken = self._rows_taken(at_page_start)
-        if rows.room() < taken:
-            resident_need = residency.rows_needed(at_page_start)
-            for idx in residency.short_of_a_page(at_page_start, rows.room() - (taken - resident_need)):
-                self.demote(idx)
-        return residency.demotions_total != demotions
+        """Pressure relief before the step's rows are taken (:meth:`PressureRelief.relieve_for`)."""
+        return self.relieve_for(at_page_start, lambda: self._rows_taken(at_page_start))
 
     def resident_step(self, idx_list: list[int], len_list: list[int], idxs: torch.Tensor, lens: torch.Tensor) -> bool:
         """A one-token decode step whose requests are all resident; False, nothing changed, when
