@@ -15,6 +15,7 @@ from sglang_hisparse.resolver.c4_rows import (
     C4_SCALE_OFFSET,
     C4PagedRows,
     LinearRows,
+    c4_copy_items,
     copy_rows,
     row_view,
 )
@@ -135,3 +136,17 @@ def test_item_indices_address_each_rows_value_and_scale_bytes(rows):
         assert torch.equal(got, expected)
         start += item_bytes
     assert start == C4_ITEM_BYTES
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.integers(0, 64 * 50 - 1), min_size=2, max_size=40, unique=True))
+def test_copy_items_of_both_sides_are_each_sides_item_indices(rows):
+    """c4_copy_items (what the copies launch) gives, for each part, the items C4_ITEM_PARTS gives
+    each side alone, in the parts' order."""
+    half = len(rows) // 2
+    src, dst = torch.tensor(rows[:half]), torch.tensor(rows[half:2 * half])
+    got = c4_copy_items(src.to(torch.int32), dst)
+    assert [g[0] for g in got] == [b for b, _ in C4_ITEM_PARTS]
+    for (item_bytes, src_items, dst_items), (_, to_items) in zip(got, C4_ITEM_PARTS):
+        assert src_items.dtype == dst_items.dtype == torch.int64 and src_items.is_contiguous()
+        assert torch.equal(src_items, to_items(src)) and torch.equal(dst_items, to_items(dst))

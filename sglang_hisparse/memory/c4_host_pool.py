@@ -28,9 +28,9 @@ slot's rows (CPU chunks, :class:`RequestRowRecord`) and the host bytes. Pinning 
 every block up to a power of two (a 70 GB pool would pin 128 GB).
 
 Copies move each row as two items, its 576-byte value and its 8-byte scale, whose item indices
-``resolver/c4_rows.py`` computes (``C4_ITEM_PARTS``). On CUDA they run SGLang's generic KV
-transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops: a warp per item, 8-byte words,
-reading and writing the pinned host buffer directly): two launches for every layer at once, on the
+``resolver/c4_rows.py`` computes (``C4_ITEM_PARTS``; ``c4_copy_items``: both sides at once). On
+CUDA they run SGLang's generic KV transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops:
+a warp per item, 8-byte words, reading and writing the pinned host buffer directly): two launches for every layer at once, on the
 current stream, with the row indices on the device, so the host never waits for the device (the
 host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same with torch
 indexing: it is the kernels' twin, which the CPU tests drive through the same item indices.
@@ -45,7 +45,7 @@ import torch
 
 from sglang_hisparse.memory.host_rows import RequestRowRecord
 from sglang_hisparse.memory.paging import PageAllocator
-from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_ITEM_PARTS, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_PAGE_BYTES, C4_PAGE_ENTRIES, C4PagedRows, c4_copy_items
 
 
 def copy_items(src_layers: list[torch.Tensor], dst_layers: list[torch.Tensor], src_items: torch.Tensor,
@@ -79,10 +79,8 @@ class _KernelCopies:
 
     def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         device = self.src_ptrs.device
-        src_rows, dst_rows = src_rows.to(device, torch.int64), dst_rows.to(device, torch.int64)
-        for item_bytes, to_items in C4_ITEM_PARTS:
-            self._transfer(self.src_ptrs, self.dst_ptrs, to_items(src_rows), to_items(dst_rows), item_bytes,
-                           self.num_layers)
+        for item_bytes, src_items, dst_items in c4_copy_items(src_rows.to(device), dst_rows):
+            self._transfer(self.src_ptrs, self.dst_ptrs, src_items, dst_items, item_bytes, self.num_layers)
 
 
 class C4HostPool(RequestRowRecord):
@@ -189,8 +187,8 @@ class C4HostPool(RequestRowRecord):
             copies(src_rows, dst_rows)
             return
         src_layers, dst_layers = self._layer_lists(device_pool, direction, layers)
-        for item_bytes, to_items in C4_ITEM_PARTS:
-            copy_items(src_layers, dst_layers, to_items(src_rows), to_items(dst_rows), item_bytes)
+        for item_bytes, src_items, dst_items in c4_copy_items(src_rows, dst_rows):
+            copy_items(src_layers, dst_layers, src_items, dst_items, item_bytes)
 
     def _layer_lists(self, device_pool: Any, direction: str, layers: range) -> tuple[list, list]:
         """The per-layer page buffers of ``layers``, (sources, destinations) for ``direction``."""
