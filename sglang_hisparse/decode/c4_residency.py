@@ -132,7 +132,8 @@ class ResidentEntries(PressureRelief):
         new_page, pages = self.residency.grow(idx_np, n_np)
         rows = self.rows.resident_rows_of(entry_ids)
         if pages is not None:
-            rows[torch.from_numpy(new_page).to(rows.device)] = pages.to(rows.device) * self.hot.page_size
+            where = torch.from_numpy(new_page).to(rows.device, non_blocking=True)  # no host wait
+            rows[where] = pages.to(rows.device, non_blocking=True) * self.hot.page_size
         return rows
 
     # --- demotion (reclaim, demote_one: PressureRelief) ------------------------------------------

@@ -47,21 +47,23 @@ class C4Steps:
             self.residency.relieve(completing)  # may demote some of them: they then take the hot path
             resident = [self.residency.residency.holds(idx) for idx, _ in completing]
         device = req_pool_indices.device
+        done_t = torch.tensor(done, dtype=torch.int64)
+        # index lists go to the device without the host waiting (pageable, non-blocking: staged
+        # before the call returns; a blocking copy would sync the stream every step)
+        entry_ids = out_cache_loc[done_t.to(device, non_blocking=True)].to(torch.int64) // C4_RATIO
         rows = torch.empty(len(done), dtype=torch.int64, device=device)
         in_hot = [k for k, r in enumerate(resident) if not r]
         if in_hot:
-            sel = torch.tensor([done[k] for k in in_hot], dtype=torch.int64)
+            at = torch.tensor(in_hot, dtype=torch.int64)
             newest = torch.tensor([completing[k][1] - 1 for k in in_hot], dtype=torch.int64)
-            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
-            rows[torch.tensor(in_hot).to(device)] = self.hot.rows_of_positions(req_pool_indices[sel.to(device)],
-                                                                                newest.to(device))
-        sel_dev = torch.tensor(done, dtype=torch.int64).to(device)
-        entry_ids = out_cache_loc[sel_dev].to(torch.int64) // C4_RATIO  # the completed entries' compressed ids
+            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[done_t[at]], newest + 1)
+            at_sel_newest = torch.stack((at, done_t[at], newest)).to(device, non_blocking=True)
+            rows[at_sel_newest[0]] = self.hot.rows_of_positions(req_pool_indices[at_sel_newest[1]], at_sel_newest[2])
         own = [k for k, r in enumerate(resident) if r]
         if own:
-            at = torch.tensor(own).to(device)
+            at = torch.tensor(own, dtype=torch.int64).to(device, non_blocking=True)
             rows[at] = self.residency.grow([completing[k][0] for k in own], [completing[k][1] for k in own],
-                                           entry_ids[at]).to(device)
+                                           entry_ids[at])
         self.rows.map_logical(entry_ids, rows)
 
     def _back_up_previous_entries(self, lens: list[int], idxs: list[int], req_pool_indices: torch.Tensor) -> None:
@@ -79,7 +81,8 @@ class C4Steps:
                 entries.append(completed - 1)
         if reqs:
             req_to_token = self.req_to_token
-            where = torch.tensor([rows_i, [k * C4_RATIO + C4_RATIO - 1 for k in entries]]).to(req_to_token.device)
+            where = torch.tensor([rows_i, [k * C4_RATIO + C4_RATIO - 1 for k in entries]]).to(req_to_token.device,
+                                                                                              non_blocking=True)
             tokens = req_to_token[req_pool_indices[where[0]].to(req_to_token.device), where[1]]
             self.mirror.back_up(reqs, entries, self.rows.device_rows_of(tokens.to(torch.int64) // C4_RATIO))
 

@@ -86,7 +86,8 @@ class C4Mirror:
         idx_t = torch.tensor(idxs, dtype=torch.int64)
         self.pool.grow_rows(self.row_table, self.rows_allocated, idx_t, torch.tensor(entries, dtype=torch.int64) + 1)
         pos = torch.tensor(entries, dtype=torch.int64)
-        host_rows = self.row_table[idx_t.to(self.row_table.device), pos.to(self.row_table.device)]
+        where = torch.stack((idx_t, pos)).to(self.row_table.device, non_blocking=True)  # no host wait
+        host_rows = self.row_table[where[0], where[1]]
         self._last_backup = self.backups.submit(
             lambda: self.pool.write_back(self.device_pool, device_rows, host_rows),
             after=(self.producer_stream,), reads=(device_rows, host_rows))
@@ -102,7 +103,8 @@ class C4Mirror:
     def load(self, idx: int, entries: torch.Tensor, device_rows: torch.Tensor) -> None:
         """Copy host rows of ``entries`` of request slot ``idx`` into ``device_rows``, every layer,
         on the current stream."""
-        self.pool.load_rows(self.device_pool, self.row_table[idx, entries.to(self.row_table.device)], device_rows)
+        self.pool.load_rows(self.device_pool,
+                            self.row_table[idx, entries.to(self.row_table.device, non_blocking=True)], device_rows)
 
     # --- leaving -----------------------------------------------------------------------------------
     def order_after_copies(self) -> None:
