@@ -135,6 +135,7 @@ def test_decode_stats_count_only_steps_after_a_decode_step():
     # steps: 4 tokens in 10 ms, 4 in 10 ms, 2 in 20 ms -> 10 tokens in 40 ms
     assert stats["decode_tok_s"] == pytest.approx(250.0)
     assert stats["tpot_ms"] == pytest.approx(10.0) and stats["decode_steps"] == 3 and stats["max_running"] == 4
+    assert stats["step_ms_by_running"] == {"2": [1, pytest.approx(20.0)], "4": [2, pytest.approx(10.0)]}
     with pytest.raises(ValueError, match="no decode step"):
         decode_log.decode_stats(decode_log.parse_batches(_prefill(8) + "\n" + _decode(1, 5.0)))
 
@@ -899,6 +900,24 @@ def test_v4_probe_paired_ratios_are_medians_of_per_round_ratios_without_warmups(
     assert compared["paired"]["ours/upstream"] == pytest.approx(2.0)
     assert compared["paired"]["upstream/ours"] == pytest.approx(0.5)
     assert impls["ours"]["throughput"]["summary"]["measured"] == 3
+
+
+def test_v4_probe_step_time_weighs_each_batch_size_by_the_other_servers_steps():
+    """step_time a/b: b's steps (count per batch size) timed at a's per-size medians over their
+    time at b's; sizes only one server ran are left out; summarize_throughput pools the rounds."""
+    import v4_probe
+
+    runs = [{"decode_tok_s": 1.0, "tpot_ms": 1.0, "max_running": 8, "wall_s": 1.0,
+             "step_ms_by_running": {"4": [10, ms4], "8": [5, 3.0]}} for ms4 in (2.0, 2.2, 2.4)]
+    ours = v4_probe.summarize_throughput(runs)["step_ms_by_running"]
+    assert ours == {"4": [30, pytest.approx(2.2)], "8": [15, pytest.approx(3.0)]}
+    upstream = {"4": [40, 2.0], "8": [20, 4.0], "2": [7, 1.0]}
+    ratios = v4_probe.step_time_ratios({"ours": ours, "upstream": upstream})
+    # upstream's steps at ours' speed: 40 x 2.2 + 20 x 3.0 = 148 ms against 40 x 2 + 20 x 4 = 160 ms
+    assert ratios["ours/upstream"] == pytest.approx(148 / 160)
+    # ours' steps at upstream's speed: 30 x 2 + 15 x 4 = 120 against 30 x 2.2 + 15 x 3 = 111
+    assert ratios["upstream/ours"] == pytest.approx(120 / 111)
+    assert v4_probe.step_time_ratios({"a": {"1": [3, 1.0]}, "b": {"2": [3, 1.0]}}) == {}
 
 
 # --- prefix_bench: the prefix-reuse driver (issue 43), without servers ------------------------------

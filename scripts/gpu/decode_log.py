@@ -50,7 +50,9 @@ def parse_batches(text: str) -> list[Batch]:
 
 def decode_stats(batches: list[Batch]) -> dict:
     """Decode tokens/s (tokens of pure decode steps / their time), TPOT (median pure step time),
-    the number of such steps and the most requests decoding at once. Raises ValueError when the
+    the number of such steps, the most requests decoding at once, and per batch size (requests
+    decoding) the pure steps' count and median time in ms (``step_ms_by_running``: two servers
+    that ran the same batch sizes compare step for step, whatever their schedules' mix). Raises ValueError when the
     window holds no pure decode step (nothing to measure)."""
     steps = [(b.running, b.running / b.rate) for prev, b in zip(batches, batches[1:])
              if b.decode and prev.decode and b.rate > 0 and b.running > 0]
@@ -58,8 +60,12 @@ def decode_stats(batches: list[Batch]) -> dict:
         raise ValueError("no decode step follows another decode step in this window")
     tokens = sum(r for r, _ in steps)
     seconds = sum(s for _, s in steps)
+    by_running: dict[int, list[float]] = {}
+    for running, s in steps:
+        by_running.setdefault(running, []).append(1000 * s)
     return {"decode_tok_s": tokens / seconds, "tpot_ms": 1000 * statistics.median(s for _, s in steps),
-            "decode_steps": len(steps), "max_running": max(b.running for b in batches if b.decode)}
+            "decode_steps": len(steps), "max_running": max(b.running for b in batches if b.decode),
+            "step_ms_by_running": {str(r): [len(v), statistics.median(v)] for r, v in sorted(by_running.items())}}
 
 
 def decode_trace(batches: list[Batch]) -> str:

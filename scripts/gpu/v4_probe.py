@@ -818,7 +818,13 @@ def summarize_throughput(runs: list[dict]) -> dict:
         return {"runs": len(runs), "measured": 0}
     rates = sorted(r["decode_tok_s"] for r in good)
     misses = [r["miss_rate"] for r in good if r.get("miss_rate") is not None]
+    by_running: dict[str, list[list[float]]] = {}
+    for r in good:
+        for size, (count, ms) in r.get("step_ms_by_running", {}).items():
+            by_running.setdefault(size, []).append([count, ms])
+    step_ms = {size: [sum(c for c, _ in v), statistics.median(ms for _, ms in v)] for size, v in by_running.items()}
     return {"runs": len(runs), "measured": len(good), "decode_tok_s": statistics.median(rates),
+            "step_ms_by_running": step_ms,
             "decode_tok_s_spread": [rates[0], rates[-1]], "tpot_ms": statistics.median(r["tpot_ms"] for r in good),
             "held": max(r["max_running"] for r in good), "wall_s": statistics.median(r["wall_s"] for r in good),
             "miss_rate": statistics.median(misses) if misses else None,
@@ -827,8 +833,9 @@ def summarize_throughput(runs: list[dict]) -> dict:
 
 def compare_throughput(impls: dict) -> dict:
     """Each server's decode tok/s over every other's: the ratio of their medians (``ours/none``),
-    and under ``paired`` the median of the per-round ratios (rounds both measured, warm-ups left
-    out: the servers of one round ran back to back, so drift between rounds cancels)."""
+    under ``paired`` the median of the per-round ratios (rounds both measured, warm-ups left
+    out: the servers of one round ran back to back, so drift between rounds cancels), and under
+    ``step_time`` the decode step time per batch size (:func:`step_time_ratios`)."""
     rates = {name: row["throughput"]["summary"].get("decode_tok_s") for name, row in impls.items()
              if row.get("throughput")}
     out: dict = {f"{a}/{b}": rates[a] / rates[b] for a in rates for b in rates
@@ -843,6 +850,23 @@ def compare_throughput(impls: dict) -> dict:
             if a != b and common:
                 paired[f"{a}/{b}"] = statistics.median(by_round[a][k] / by_round[b][k] for k in common)
     out["paired"] = paired
+    out["step_time"] = step_time_ratios({name: row["throughput"]["summary"].get("step_ms_by_running", {})
+                                         for name, row in impls.items() if row.get("throughput")})
+    return out
+
+
+def step_time_ratios(step_ms: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """``a/b``: the time b's decode steps would take at a's median step time per batch size, over
+    the time they took at b's (batch sizes both ran): below 1, a decodes the same batches faster.
+    A comparison of the decode step itself, apart from the schedule's mix of batch sizes and from
+    prefill (each server's ``step_ms_by_running``: [steps, median ms] per size, over its rounds)."""
+    out = {}
+    for a, ms_a in step_ms.items():
+        for b, ms_b in step_ms.items():
+            common = set(ms_a) & set(ms_b)
+            base = sum(ms_b[k][0] * ms_b[k][1] for k in common)
+            if a != b and base > 0:
+                out[f"{a}/{b}"] = sum(ms_b[k][0] * ms_a[k][1] for k in common) / base
     return out
 
 
