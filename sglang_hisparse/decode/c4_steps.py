@@ -83,7 +83,7 @@ class C4Steps:
             req_to_token = self.req_to_token
             where = torch.tensor([rows_i, [k * C4_RATIO + C4_RATIO - 1 for k in entries]]).to(req_to_token.device,
                                                                                               non_blocking=True)
-            tokens = req_to_token[req_pool_indices[where[0]].to(req_to_token.device), where[1]]
+            tokens = req_to_token[req_pool_indices[where[0]].to(req_to_token.device, non_blocking=True), where[1]]
             self.mirror.back_up(reqs, entries, self.rows.device_rows_of(tokens.to(torch.int64) // C4_RATIO))
 
     def rows_short(self, req_pool_indices: list[int], committed_lens: list[int]) -> int:

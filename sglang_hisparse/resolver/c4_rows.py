@@ -62,7 +62,7 @@ def c4_copy_items(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[tuple
     of :data:`C4_ITEM_PARTS`, computed for both sides at once (six small ops instead of fourteen:
     the per-step backup launches them). int64 on ``src_rows``' device (``dst_rows`` is moved
     there); pure."""
-    rows = torch.stack((src_rows.to(torch.int64), dst_rows.to(src_rows.device, torch.int64)))
+    rows = torch.stack((src_rows.to(torch.int64), dst_rows.to(src_rows.device, torch.int64, non_blocking=True)))
     page = torch.div(rows, C4_PAGE_ENTRIES, rounding_mode="floor")
     value = rows + page
     scale = torch.add(torch.remainder(rows, C4_PAGE_ENTRIES), page, alpha=C4_PAGE_BYTES // C4_SCALE_BYTES)
