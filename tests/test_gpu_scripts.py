@@ -178,7 +178,8 @@ def test_throughput_run_splits_into_levels_by_prefilled_tokens():
     batches = decode_log.parse_batches("\n".join(warmup + level1 + level3))
     parts = decode_log.split_throughput_run(batches, [1, 3], context)
     assert decode_log.decode_stats(parts[1]) == {"decode_tok_s": pytest.approx(100.0), "tpot_ms": pytest.approx(10.0),
-                                                 "decode_steps": 2, "max_running": 1}
+                                                 "decode_steps": 2, "max_running": 1,
+                                                 "step_ms_by_running": {"1": [2, pytest.approx(10.0)]}}
     stats3 = decode_log.decode_stats(parts[3])
     assert stats3["decode_steps"] == 2 and stats3["max_running"] == 2  # the wave-2 step after its prefill is left out
     assert stats3["decode_tok_s"] == pytest.approx(3 / (0.01 + 0.02))
