@@ -33,15 +33,16 @@ MAX_REQS, MAX_TOKENS = 6, 4096
 
 
 class Tokens:
-    """Stand-in of SGLang's SWA allocator (token ids, pages of 256) over a C4 pool stand-in."""
+    """Stand-in of SGLang's SWA allocator (token ids, pages of 256) over a C4 pool stand-in, on
+    ``device`` (where SGLang keeps them; tests/gpu/test_c4_host_syncs.py runs the rig on CUDA)."""
 
-    def __init__(self, tokens: int, c4_rows: int):
-        self.pages = PageAllocator(tokens // TOKEN_PAGE, TOKEN_PAGE, "cpu", debug=True)
+    def __init__(self, tokens: int, c4_rows: int, device: str = "cpu"):
+        self.pages = PageAllocator(tokens // TOKEN_PAGE, TOKEN_PAGE, device, debug=device == "cpu")
         self.page_size, self.size_full, self.size, self.size_swa = TOKEN_PAGE, tokens, tokens, tokens // 8
         self.need_sort, self.full_to_swa_index_mapping = False, None
         self.c4_pool = SimpleNamespace(
-            size=c4_rows, dtype=torch.uint8, device=torch.device("cpu"), layer_num=LAYERS, mapping=None,
-            kv_buffer=[torch.zeros(c4_rows // C4_PAGE_ENTRIES + 1, C4_PAGE_BYTES, dtype=torch.uint8)
+            size=c4_rows, dtype=torch.uint8, device=torch.device(device), layer_num=LAYERS, mapping=None,
+            kv_buffer=[torch.zeros(c4_rows // C4_PAGE_ENTRIES + 1, C4_PAGE_BYTES, dtype=torch.uint8, device=device)
                        for _ in range(LAYERS)])
         self.c4_pool.attach_mapping = lambda t: setattr(self.c4_pool, "mapping", t)
         self._kvcache = SimpleNamespace(c4_kv_pool=self.c4_pool, c4_logical_size=tokens // 4)
@@ -68,17 +69,19 @@ class Tokens:
 class Rig:
     """Allocator, coordinator and the model stand-in's truth: entry bytes per (request, layer)."""
 
-    def __init__(self, seed: int, tp_group, residency: bool = False, **config_keys):
+    def __init__(self, seed: int, tp_group, residency: bool = False, device: str = "cpu", **config_keys):
         """``residency`` (off: DeepSeek-V4's default, ``config.V4_RESIDENCY_DEFAULT``) and other
-        config keys."""
+        config keys. ``device``: where SGLang's tensors live (the truth stays on CPU); the debug
+        checks, which read device state back, only on CPU."""
         self.rng = random.Random(seed)
-        self.tokens = Tokens(1 << 15, 2048)
-        self.alloc = C4Allocator(self.tokens, debug=True)
-        self.rtt = torch.zeros(MAX_REQS, MAX_TOKENS, dtype=torch.int32)
+        self.device = device
+        self.tokens = Tokens(1 << 15, 2048, device)
+        self.alloc = C4Allocator(self.tokens, debug=device == "cpu")
+        self.rtt = torch.zeros(MAX_REQS, MAX_TOKENS, dtype=torch.int32, device=device)
         config = HiSparseConfig(top_k=TOP_K, device_buffer_size=B, resolver="reference", residency=residency,
                                 **config_keys)
-        self.coord = C4Coordinator(SimpleNamespace(req_to_token=self.rtt), self.alloc, TOP_K, B, "cpu", tp_group,
-                                   host_to_device_ratio=4, config=config, pin_memory=False)
+        self.coord = C4Coordinator(SimpleNamespace(req_to_token=self.rtt), self.alloc, TOP_K, B, device, tp_group,
+                                   host_to_device_ratio=4, config=config, pin_memory=device != "cpu")
         self.truth: dict[int, torch.Tensor] = {}
         self.gen = torch.Generator().manual_seed(seed)
         self.initial = self.free_counts()
@@ -90,7 +93,7 @@ class Rig:
     def write_entries(self, idx: int, token_ids: torch.Tensor, first_token: int) -> None:
         """The compressor: each entry these tokens complete, written at its mapped row, every layer."""
         entries = completed_entry_ids(token_ids)
-        positions = (first_token + torch.nonzero(token_ids % 4 == 3).view(-1)) // 4
+        positions = ((first_token + torch.nonzero(token_ids % 4 == 3).view(-1)) // 4).cpu()
         rows = self.tokens.c4_pool.mapping[entries]
         assert bool((rows > 0).all()), "a completed entry has no row to be written to"
         for layer in range(LAYERS):
@@ -102,7 +105,7 @@ class Rig:
         self.truth[idx] = torch.randint(0, 256, (LAYERS, MAX_TOKENS // 4, C4_ITEM_BYTES), dtype=torch.uint8,
                                         generator=self.gen)
         z, n = torch.tensor([0]), torch.tensor([tokens])
-        ids = allocate(z, z, n, n, torch.tensor([-1]), tokens)
+        ids = allocate(z, z, n, n, torch.tensor([-1], device=self.device), tokens)
         assert ids is not None
         self.rtt[idx, :tokens] = ids.to(torch.int32)
         return ids
@@ -147,9 +150,9 @@ class Rig:
         idxs = torch.tensor([r.req_pool_idx for r in reqs])
         lens = torch.tensor([r.kv.kv_allocated_len + 1 for r in reqs])
         last = self.rtt[idxs, lens - 2].to(torch.int64)
-        ids = self.alloc.alloc_decode(lens, lens, last)
+        ids = self.alloc.alloc_decode(lens.to(self.device), lens, last)
         self.rtt[idxs, lens - 1] = ids.to(torch.int32)
-        self.coord.map_last_loc_to_buffer(lens, ids, idxs, lens, idxs)
+        self.coord.map_last_loc_to_buffer(lens.to(self.device), ids, idxs.to(self.device), lens, idxs)
         for r, n, tok in zip(reqs, lens.tolist(), ids):
             r.kv.kv_allocated_len = n
             self.write_entries(r.req_pool_idx, tok.view(1), n - 1)
@@ -164,14 +167,15 @@ class Rig:
             if E and self.rng.random() < 0.5 and E - 1 not in picks:
                 picks.append(E - 1)
             top[i, : len(picks)] = torch.tensor(picks, dtype=torch.int32)
-        idxs = torch.tensor([r.req_pool_idx for r in reqs])
+        idxs = torch.tensor([r.req_pool_idx for r in reqs], device=self.device)
         self.coord.num_real_reqs.fill_(len(reqs))  # as SGLang's model runner does before a decode forward
         for layer in range(LAYERS):
-            rows = self.coord.swap_in_selected_pages(idxs, torch.tensor(entries, dtype=torch.int32), top, layer)
+            rows = self.coord.swap_in_selected_pages(idxs, torch.tensor(entries, dtype=torch.int32, device=self.device),
+                                                     top.to(self.device), layer).cpu()
             view = C4PagedRows(self.tokens.c4_pool.kv_buffer[layer])
             for i, r in enumerate(reqs):
                 sel = top[i][top[i] >= 0].long()
-                got = view.read(rows[i, : sel.numel()].long())
+                got = view.read(rows[i, : sel.numel()].long()).cpu()
                 assert torch.equal(got, self.truth[r.req_pool_idx][layer, sel]), \
                     f"layer {layer} request {r.rid} (E={entries[i]}) read wrong entry bytes"
                 assert bool((rows[i, sel.numel():] == -1).all())

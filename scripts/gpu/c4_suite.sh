@@ -39,8 +39,8 @@ if [ -n "$SANITIZER" ]; then
 fi
 wait "$PID_TESTS" || rc=1
 tail -c 20000 /tmp/c4_tests.log
-note "host pool copies (SGLang's transfer kernels, value and scale items) against the paged rows"
-$PY -m pytest -q -p no:cacheprovider tests/gpu/test_c4_host_copy.py 2>&1 | tail -5 || rc=1
+note "host pool copies (SGLang's transfer kernels, value and scale items) against the paged rows; the coordinator's decode steps without host syncs"
+$PY -m pytest -q -p no:cacheprovider tests/gpu/test_c4_host_copy.py tests/gpu/test_c4_host_syncs.py 2>&1 | tail -12 || rc=1
 note "benchmark"
 $PY scripts/research/bench_resolve_c4.py --out "$OUT" --budget-s "${HISPARSE_C4_BENCH_S:-120}" \
   --command "bash scripts/gpu/run.sh c4 (step: python3 scripts/research/bench_resolve_c4.py)" || rc=1
