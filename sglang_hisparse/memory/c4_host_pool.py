@@ -30,9 +30,9 @@ every block up to a power of two (a 70 GB pool would pin 128 GB).
 Copies move each row as two items, its 576-byte value and its 8-byte scale, whose item indices
 ``resolver/c4_rows.py`` computes (``C4_ITEM_PARTS``; ``c4_copy_items``: both sides at once). On
 CUDA they run SGLang's generic KV transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops:
-a warp per item, 8-byte words, reading and writing the pinned host buffer directly): two launches for every layer at once, on the
-current stream, with the row indices on the device, so the host never waits for the device (the
-host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same with torch
+a warp per item, 8-byte words, reading and writing the pinned host buffer directly): two launches
+for every layer at once, on the current stream, with the row indices on the device, so the host
+never waits for the device (the host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same with torch
 indexing: it is the kernels' twin, which the CPU tests drive through the same item indices.
 """
 
@@ -79,7 +79,7 @@ class _KernelCopies:
 
     def __call__(self, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
         device = self.src_ptrs.device
-        for item_bytes, src_items, dst_items in c4_copy_items(src_rows.to(device), dst_rows):
+        for item_bytes, src_items, dst_items in c4_copy_items(src_rows.to(device, non_blocking=True), dst_rows):
             self._transfer(self.src_ptrs, self.dst_ptrs, src_items, dst_items, item_bytes, self.num_layers)
 
 
