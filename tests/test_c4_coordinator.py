@@ -227,46 +227,22 @@ def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(g
     assert ("admitted_resident=5 demotions=0" in line) if residency else ("resident=" not in line), line
 
 
-TORCH_TWINS = {("c4_host_pool.py", "copy_items"), ("c4_rows.py", "read"), ("c4_rows.py", "write")}
-"""The CPU twins of device copies (the transfer kernels on CUDA; device to device otherwise)."""
-
-
 @pytest.mark.parametrize("residency", [False, True], ids=["hot_buffers", "residency"])
 def test_a_decode_step_moves_nothing_to_the_device_with_a_blocking_copy(gloo_world, monkeypatch, residency):
     """The overlap scheduler prepares step n + 1 while the device runs step n: a blocking copy from
-    pageable memory to the device (``.to(device)`` without ``non_blocking``) syncs the stream in
-    every decode step. Every device move our code makes in ``map_last_loc_to_buffer`` and
-    ``wait_for_pending_backup`` must be non-blocking (on CPU the moves are no-ops, so the calls
-    themselves are checked; the GPU machine's sync test is their CUDA counterpart)."""
-    import traceback
+    pageable memory to the device syncs the stream in every decode step. Every device move our
+    code makes in ``map_last_loc_to_buffer`` and ``wait_for_pending_backup`` must be non-blocking
+    (tests/blocking_moves.py; tests/gpu/test_c4_host_syncs.py is the CUDA counterpart)."""
+    from blocking_moves import BlockingMoves
 
     rig = Rig(seed=13, tp_group=gloo_world, residency=residency)
     reqs = [rig.prefill(i, n) for i, n in enumerate([9, 600, 2203, 2900])]
     rig.coord.collect_ready_reqs()
-    blocking: list[str] = []
-    real_to = torch.Tensor.to
-
-    def recording_to(self, *args, **kwargs):
-        moves = "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
-        if moves and not kwargs.get("non_blocking", False):
-            ours = [f for f in traceback.extract_stack()[:-1] if "/sglang_hisparse/" in f.filename]
-            if ours and (ours[-1].filename.rsplit("/", 1)[-1], ours[-1].name) not in TORCH_TWINS:
-                blocking.append(f"{ours[-1].filename.rsplit('/', 1)[-1]}:{ours[-1].lineno} ({ours[-1].name})")
-        return real_to(self, *args, **kwargs)
-
-    coord = rig.coord
-    for name in ("map_last_loc_to_buffer", "wait_for_pending_backup"):
-        method = getattr(coord, name)
-
-        def guarded(*args, _method=method, **kwargs):
-            with monkeypatch.context() as m:
-                m.setattr(torch.Tensor, "to", recording_to)
-                return _method(*args, **kwargs)
-
-        monkeypatch.setattr(coord, name, guarded)
+    moves = BlockingMoves(monkeypatch)
+    moves.guard(rig.coord, "map_last_loc_to_buffer", "wait_for_pending_backup")
     for _ in range(9):  # entries completed and backed up, short buffers grown, resident pages started
         rig.step(reqs)
-    assert not blocking, sorted(set(blocking))
+    assert not moves.sites, sorted(set(moves.sites))
     for r in reqs:
         rig.finish(r)
     assert rig.free_counts() == rig.initial

@@ -27,6 +27,15 @@ from sglang_hisparse.memory.host_rows import RequestRowRecord
 logger = logging.getLogger(__name__)
 
 
+def copy_rows_torch(src_layers, dst_layers, src_rows: torch.Tensor, dst_rows: torch.Tensor, layers) -> None:
+    """Torch twin of the transfer kernels (CPU pools): in each of ``layers``, rows ``src_rows`` of
+    ``src_layers[layer]`` into rows ``dst_rows`` of ``dst_layers[layer]``. Side effect: those
+    destination rows only."""
+    src, dst = src_rows.cpu(), dst_rows.cpu()
+    for layer in layers:
+        dst_layers[layer][dst] = src_layers[layer][src].to(dst_layers[layer].device)
+
+
 class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
     def __init__(self, device_pool, host_to_device_ratio: float, page_size: int, pin_memory: bool):
         super().__init__(
@@ -62,9 +71,7 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
             host_rows = host_rows.to(device_rows.device, non_blocking=True)
             self.backup_from_device_all_layer(device_pool, host_rows, device_rows, io_backend="kernel")
             return
-        src, dst = device_rows.cpu(), host_rows.cpu()
-        for layer in range(self.layer_num):
-            self.kv_buffer[layer][dst] = device_pool.kv_buffer[layer][src].to(self.kv_buffer.device)
+        copy_rows_torch(device_pool.kv_buffer, self.kv_buffer, device_rows, host_rows, range(self.layer_num))
 
     def load_rows(self, device_pool, host_rows: torch.Tensor, device_rows: torch.Tensor, layer_id: Optional[int] = None) -> None:
         """Copy host rows into device rows for one layer, or every layer when ``layer_id`` is None,
@@ -80,9 +87,7 @@ class HiSparseHostPool(RequestRowRecord, MLATokenToKVPoolHost):
             for layer in layers:
                 self.load_to_device_per_layer(device_pool, host_rows, device_rows, layer, io_backend="kernel")
             return
-        src, dst = host_rows.cpu(), device_rows.cpu()
-        for layer in layers:
-            device_pool.kv_buffer[layer][dst] = self.kv_buffer[layer][src]
+        copy_rows_torch(self.kv_buffer, device_pool.kv_buffer, host_rows, device_rows, layers)
 
 
 def _block_inherited_hisparse_helpers(cls: type) -> list[str]:

@@ -65,7 +65,7 @@ class PageAllocator:
             assert bool((ids >= 1).all()) and bool((ids <= self.num_pages).all()), "page id out of range"
             assert self._in_use[ids].all(), f"double free of pages {ids[~self._in_use[ids]].tolist()}"
             self._in_use[ids] = False
-        self.free_pages = torch.cat([pages.to(self.free_pages.device, torch.int64), self.free_pages])
+        self.free_pages = torch.cat([pages.to(self.free_pages.device, torch.int64, non_blocking=True), self.free_pages])
 
     # --- tokens ------------------------------------------------------------------------------
     def page_rows(self, pages: torch.Tensor) -> torch.Tensor:
