@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from sglang_hisparse.resolver.c4_rows import (
     C4_ITEM_BYTES,
-    C4_ITEM_PARTS,
     C4_PAGE_BYTES,
     C4_PAGE_ENTRIES,
     C4_SCALE_OFFSET,
@@ -121,32 +120,20 @@ def test_reference_resident_path_reads_each_entry_at_its_last_token():
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.integers(0, 64 * 50 - 1), min_size=1, max_size=40, unique=True))
-def test_item_indices_address_each_rows_value_and_scale_bytes(rows):
-    """The copies move a row as two whole items (C4_ITEM_PARTS): item index x item bytes must be
-    the first byte of the row's value and of its scale, and the item must cover exactly the row's
-    bytes of that part."""
-    rows_t = torch.tensor(rows)
-    byte_index = C4PagedRows(torch.zeros(50, C4_PAGE_BYTES, dtype=torch.uint8)).byte_index(rows_t)
-    start = 0
-    for item_bytes, to_items in C4_ITEM_PARTS:
-        items = to_items(rows_t)
-        expected = byte_index[:, start:start + item_bytes]
-        got = items.reshape(-1, 1) * item_bytes + torch.arange(item_bytes)
-        assert torch.equal(got, expected)
-        start += item_bytes
-    assert start == C4_ITEM_BYTES
-
-
-@settings(max_examples=30, deadline=None)
 @given(rows=st.lists(st.integers(0, 64 * 50 - 1), min_size=2, max_size=40, unique=True))
-def test_copy_items_of_both_sides_are_each_sides_item_indices(rows):
-    """c4_copy_items (what the copies launch) gives, for each part, the items C4_ITEM_PARTS gives
-    each side alone, in the parts' order."""
+def test_copy_items_address_each_rows_value_and_scale_bytes_on_both_sides(rows):
+    """The copies move a row as two whole items (c4_copy_items, both sides at once): on each side,
+    item index x item bytes must be the first byte of the row's value and of its scale, and the
+    item must cover exactly the row's bytes of that part (the layout's definition: byte_index);
+    the items are int64 and contiguous, as the transfer kernels read them."""
     half = len(rows) // 2
     src, dst = torch.tensor(rows[:half]), torch.tensor(rows[half:2 * half])
-    got = c4_copy_items(src.to(torch.int32), dst)
-    assert [g[0] for g in got] == [b for b, _ in C4_ITEM_PARTS]
-    for (item_bytes, src_items, dst_items), (_, to_items) in zip(got, C4_ITEM_PARTS):
-        assert src_items.dtype == dst_items.dtype == torch.int64 and src_items.is_contiguous()
-        assert torch.equal(src_items, to_items(src)) and torch.equal(dst_items, to_items(dst))
+    layout = C4PagedRows(torch.zeros(50, C4_PAGE_BYTES, dtype=torch.uint8))
+    start = 0
+    for item_bytes, src_items, dst_items in c4_copy_items(src.to(torch.int32), dst):
+        for items, side in ((src_items, src), (dst_items, dst)):
+            assert items.dtype == torch.int64 and items.is_contiguous()
+            got = items.reshape(-1, 1) * item_bytes + torch.arange(item_bytes)
+            assert torch.equal(got, layout.byte_index(side)[:, start:start + item_bytes])
+        start += item_bytes
+    assert start == C4_ITEM_BYTES

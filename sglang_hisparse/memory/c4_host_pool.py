@@ -28,12 +28,13 @@ slot's rows (CPU chunks, :class:`RequestRowRecord`) and the host bytes. Pinning 
 every block up to a power of two (a 70 GB pool would pin 128 GB).
 
 Copies move each row as two items, its 576-byte value and its 8-byte scale, whose item indices
-``resolver/c4_rows.py`` computes (``C4_ITEM_PARTS``; ``c4_copy_items``: both sides at once). On
-CUDA they run SGLang's generic KV transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops:
-a warp per item, 8-byte words, reading and writing the pinned host buffer directly): two launches
-for every layer at once, on the current stream, with the row indices on the device, so the host
-never waits for the device (the host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same with torch
-indexing: it is the kernels' twin, which the CPU tests drive through the same item indices.
+``resolver/c4_rows.py`` computes for both sides at once (``c4_copy_items``). On CUDA they run
+SGLang's generic KV transfer kernels (``sgl_kernel.kvcacheio``, HiCache's I/O ops: a warp per item,
+8-byte words, reading and writing the pinned host buffer directly): two launches for every layer
+at once, on the current stream, with the row indices on the device, so the host never waits for
+the device (the host mirror's copy lanes order them). Elsewhere :func:`copy_items` does the same
+with torch indexing: it is the kernels' twin, which the CPU tests drive through the same item
+indices.
 """
 
 from __future__ import annotations

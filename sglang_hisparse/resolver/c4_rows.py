@@ -35,33 +35,14 @@ C4_RATIO = 4
 assert C4_PAGE_BYTES % C4_VALUE_BYTES == 0 and C4_SCALE_OFFSET % C4_SCALE_BYTES == 0
 
 
-def c4_value_items(rows: torch.Tensor) -> torch.Tensor:
-    """Where each row's value sits in its buffer counted in :data:`C4_VALUE_BYTES` items: a page
-    is 65 such items (64 values, then the scales and padding), so row ``r`` is item ``r + r // 64``.
-    int64, on ``rows``' device; pure. With :func:`c4_scale_items`, what a copy of whole items (two
-    per row) needs to move rows between two C4 buffers."""
-    rows = rows.to(torch.int64)
-    return rows + rows // C4_PAGE_ENTRIES
-
-
-def c4_scale_items(rows: torch.Tensor) -> torch.Tensor:
-    """Where each row's scale sits in its buffer counted in :data:`C4_SCALE_BYTES` items. int64, on
-    ``rows``' device; pure."""
-    rows = rows.to(torch.int64)
-    return ((rows // C4_PAGE_ENTRIES) * (C4_PAGE_BYTES // C4_SCALE_BYTES) + C4_SCALE_OFFSET // C4_SCALE_BYTES
-            + rows % C4_PAGE_ENTRIES)
-
-
-C4_ITEM_PARTS = ((C4_VALUE_BYTES, c4_value_items), (C4_SCALE_BYTES, c4_scale_items))
-"""A row as two items: (item bytes, row -> item index) for its value, then its scale."""
-
-
 def c4_copy_items(src_rows: torch.Tensor, dst_rows: torch.Tensor) -> tuple[tuple[int, torch.Tensor, torch.Tensor], ...]:
-    """What a copy of rows ``src_rows[i] -> dst_rows[i]`` between two C4 buffers moves, as
-    ``(item bytes, source items, destination items)`` for the values, then the scales: the items
-    of :data:`C4_ITEM_PARTS`, computed for both sides at once (six small ops instead of fourteen:
-    the per-step backup launches them). int64 on ``src_rows``' device (``dst_rows`` is moved
-    there); pure."""
+    """What a copy of rows ``src_rows[i] -> dst_rows[i]`` between two C4 buffers moves when it
+    copies whole items, two per row: ``(item bytes, source items, destination items)`` for the
+    values (:data:`C4_VALUE_BYTES` items: a page is 65 of them, 64 values then the scales and
+    padding, so row ``r`` is item ``r + r // 64``), then for the scales (:data:`C4_SCALE_BYTES`
+    items: page ``r // 64``'s scale region, offset ``r % 64``). Both sides in six small ops (the
+    per-step backup launches them). int64 on ``src_rows``' device (``dst_rows`` is moved there,
+    non-blocking); pure."""
     rows = torch.stack((src_rows.to(torch.int64), dst_rows.to(src_rows.device, torch.int64, non_blocking=True)))
     page = torch.div(rows, C4_PAGE_ENTRIES, rounding_mode="floor")
     value = rows + page
