@@ -36,7 +36,7 @@ def test_the_check_sees_a_blocking_move_and_only_ours(monkeypatch):
 
     class Target:
         def blocking(self):
-            return paging.torch.zeros(2).to("cpu")  # test code: not ours, not recorded
+            return torch.zeros(2).to("cpu")  # test code: not ours, not recorded
 
     allocator = paging.PageAllocator(4, 2, "cpu")
     moves = BlockingMoves(monkeypatch)

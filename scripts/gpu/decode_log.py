@@ -52,8 +52,8 @@ def decode_stats(batches: list[Batch]) -> dict:
     """Decode tokens/s (tokens of pure decode steps / their time), TPOT (median pure step time),
     the number of such steps, the most requests decoding at once, and per batch size (requests
     decoding) the pure steps' count and median time in ms (``step_ms_by_running``: two servers
-    that ran the same batch sizes compare step for step, whatever their schedules' mix). Raises ValueError when the
-    window holds no pure decode step (nothing to measure)."""
+    that ran the same batch sizes compare step for step, whatever their schedules' mix). Raises
+    ValueError when the window holds no pure decode step (nothing to measure)."""
     steps = [(b.running, b.running / b.rate) for prev, b in zip(batches, batches[1:])
              if b.decode and prev.decode and b.rate > 0 and b.running > 0]
     if not steps:

@@ -56,8 +56,9 @@ class C4Steps:
         if in_hot:
             at = torch.tensor(in_hot, dtype=torch.int64)
             newest = torch.tensor([completing[k][1] - 1 for k in in_hot], dtype=torch.int64)
-            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[done_t[at]], newest + 1)
-            at_sel_newest = torch.stack((at, done_t[at], newest)).to(device, non_blocking=True)
+            sel = done_t[at]  # their batch rows
+            self.hot.grow(req_pool_indices_cpu.to(torch.int64)[sel], newest + 1)
+            at_sel_newest = torch.stack((at, sel, newest)).to(device, non_blocking=True)
             rows[at_sel_newest[0]] = self.hot.rows_of_positions(req_pool_indices[at_sel_newest[1]], at_sel_newest[2])
         own = [k for k, r in enumerate(resident) if r]
         if own:

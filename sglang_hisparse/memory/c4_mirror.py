@@ -83,9 +83,8 @@ class C4Mirror:
         the current stream and the producer stream (the forward that wrote it)."""
         if not idxs:
             return
-        idx_t = torch.tensor(idxs, dtype=torch.int64)
-        self.pool.grow_rows(self.row_table, self.rows_allocated, idx_t, torch.tensor(entries, dtype=torch.int64) + 1)
-        pos = torch.tensor(entries, dtype=torch.int64)
+        idx_t, pos = torch.tensor(idxs, dtype=torch.int64), torch.tensor(entries, dtype=torch.int64)
+        self.pool.grow_rows(self.row_table, self.rows_allocated, idx_t, pos + 1)
         where = torch.stack((idx_t, pos)).to(self.row_table.device, non_blocking=True)  # no host wait
         host_rows = self.row_table[where[0], where[1]]
         self._last_backup = self.backups.submit(
