@@ -231,20 +231,22 @@ def test_decoding_reads_exactly_the_selected_entries_and_every_pool_comes_back(g
 def test_a_decode_step_moves_nothing_to_the_device_with_a_blocking_copy(gloo_world, monkeypatch, residency):
     """The overlap scheduler prepares step n + 1 while the device runs step n: a blocking copy from
     pageable memory to the device syncs the stream in every decode step. Every device move our
-    code makes in ``map_last_loc_to_buffer`` and ``wait_for_pending_backup`` must be non-blocking
-    (tests/blocking_moves.py; tests/gpu/test_c4_host_syncs.py is the CUDA counterpart)."""
+    code makes in the protocol calls of entering decode, a decode step and finishing must be
+    non-blocking (tests/blocking_moves.py; tests/gpu/test_c4_host_syncs.py is the CUDA counterpart)."""
     from blocking_moves import BlockingMoves
 
     rig = Rig(seed=13, tp_group=gloo_world, residency=residency)
+    moves = BlockingMoves(monkeypatch)
+    moves.guard(rig.coord, "admit_request_into_staging", "collect_ready_reqs", "device_rows_short",
+                "map_last_loc_to_buffer", "wait_for_pending_backup", "request_finished")
     reqs = [rig.prefill(i, n) for i, n in enumerate([9, 600, 2203, 2900])]
     rig.coord.collect_ready_reqs()
-    moves = BlockingMoves(monkeypatch)
-    moves.guard(rig.coord, "map_last_loc_to_buffer", "wait_for_pending_backup")
     for _ in range(9):  # entries completed and backed up, short buffers grown, resident pages started
+        rig.coord.device_rows_short([r.req_pool_idx for r in reqs], [r.kv.kv_allocated_len for r in reqs])
         rig.step(reqs)
-    assert not moves.sites, sorted(set(moves.sites))
     for r in reqs:
         rig.finish(r)
+    assert not moves.sites, sorted(set(moves.sites))
     assert rig.free_counts() == rig.initial
 
 
