@@ -15,7 +15,9 @@ from sglang_hisparse.resolver.c4_rows import (
     C4PagedRows,
     LinearRows,
     c4_copy_items,
+    completed_entry_ids,
     copy_rows,
+    prefix_entry_ids,
     row_view,
 )
 
@@ -137,3 +139,13 @@ def test_copy_items_address_each_rows_value_and_scale_bytes_on_both_sides(rows):
             assert torch.equal(got, layout.byte_index(side)[:, start:start + item_bytes])
         start += item_bytes
     assert start == C4_ITEM_BYTES
+
+
+@settings(max_examples=60, deadline=None)
+@given(pages=st.permutations(range(12)), tokens=st.integers(0, 12 * 16))
+def test_prefix_entry_ids_are_the_entries_completed_in_the_prefix(pages, tokens):
+    """The strided slice (no wait for the device) names the same entries as the masked selection,
+    on a req_to_token row of shuffled 16-token pages (token ids keep their offset mod 4)."""
+    row = (torch.tensor(pages) * 16).repeat_interleave(16) + torch.arange(16).repeat(12)
+    row = row.to(torch.int32)
+    assert torch.equal(prefix_entry_ids(row, tokens), completed_entry_ids(row[:tokens]))

@@ -56,7 +56,7 @@ from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.c4_mirror import C4Mirror
 from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.hot_buffers import HotBuffers
-from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_RATIO, completed_entry_ids
+from sglang_hisparse.resolver.c4_rows import C4_ITEM_BYTES, C4_RATIO, prefix_entry_ids
 from sglang_hisparse.stats import HiSparseTokenStats, token_stats
 
 logger = logging.getLogger(__name__)
@@ -141,8 +141,9 @@ class C4Coordinator:
         return self.report.idle_report()
 
     def _entries(self, req, tokens: int) -> torch.Tensor:
-        """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete."""
-        return completed_entry_ids(self.req_to_token_pool.req_to_token[req.req_pool_idx, :tokens])
+        """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete
+        (no wait for the device: :func:`prefix_entry_ids`)."""
+        return prefix_entry_ids(self.req_to_token_pool.req_to_token[req.req_pool_idx], tokens)
 
     # --- into decode -------------------------------------------------------------------------
     def admit_request_into_staging(self, req) -> None:

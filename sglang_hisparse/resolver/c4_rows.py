@@ -60,6 +60,14 @@ def completed_entry_ids(token_ids: torch.Tensor) -> torch.Tensor:
     return token_ids[token_ids % C4_RATIO == C4_RATIO - 1] // C4_RATIO
 
 
+def prefix_entry_ids(token_row: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Compressed logical ids (int64) of the entries the first ``tokens`` tokens of a request's
+    ``req_to_token`` row complete: the tokens at positions ``4e + 3`` (token ids keep their
+    position's offset mod 4, :func:`completed_entry_ids`), so a strided slice: no data-dependent
+    size, no wait for the device. Pure."""
+    return token_row[C4_RATIO - 1 : tokens : C4_RATIO].to(torch.int64) // C4_RATIO
+
+
 class LinearRows:
     """Row ``g`` is ``kv[g]`` (any trailing shape and dtype): the DSA layout."""
 
