@@ -317,7 +317,7 @@ def v4_concurrent_rows(run: str) -> list[dict]:
     return rows
 
 
-V4_THROUGHPUT = ["gpu_v4probe8", "gpu_v4probe9"]
+V4_THROUGHPUT = ["gpu_v4probe8", "gpu_v4probe9", "gpu_v4probe10"]
 V4_PD = ["gpu_v4pd1"]
 V4_RESIDENCY_ON_AS_OURS = {"gpu_v4probe8", "gpu_v4probe9", "gpu_v4pd1"}
 """Calls made while C4 residency was V4's default: their ``ours`` had it on (labelled ``ours_resident``
@@ -335,8 +335,12 @@ def v4_impl_label(run: str, impl: str) -> str:
 def v4_throughput_rows(run: str) -> list[dict]:
     """One row per server of a V4 probe's throughput phase: the median decode tok/s of its rounds
     (paired: every server once per round, the others idle), the spread, TPOT, requests held,
-    ours' miss rate and pools, and every round's tok/s."""
+    ours' miss rate and pools, and every round's tok/s. A server that measured no round (it
+    crashed) gets a row with ``decode_tok_s`` None and its first error line."""
     data = json.loads((RESULTS / run / "v4probe.json").read_text())
+    argv = data.get("argv", [])
+    new_tokens = argv[argv.index("--throughput-new-tokens") + 1] if "--throughput-new-tokens" in argv else "128"
+    workload = f"24 prompts of 12,000 tokens in one call, {new_tokens} greedy tokens, under pressure"
     by_round = {impl: {r["round"]: r["decode_tok_s"] for r in info["throughput"]["runs"]
                        if not r.get("warmup") and r.get("decode_tok_s")} for impl, info in data["impls"].items()}
 
@@ -346,19 +350,27 @@ def v4_throughput_rows(run: str) -> list[dict]:
 
     rows = []
     for impl, info in data["impls"].items():
+        if not info["throughput"]["summary"].get("measured", 1):
+            lines = [e for e in info.get("error_lines", []) if e.startswith(("torch.", "RuntimeError", "CUDA error"))
+                     and "Error" in e]  # the exception's own line (not start-up notices naming an error)
+            client = [r["error"] for r in info["throughput"]["runs"] if r.get("error")]
+            rows.append({"impl": v4_impl_label(run, impl), "impl_in_run": impl, "decode_tok_s": None,
+                         "error": (lines or client or [None])[0], "workload": workload,
+                         "device": data["device"]["nvidia_smi"], "run": run})
+            continue
         summary, runs = info["throughput"]["summary"], info["throughput"]["runs"]
         config = json.loads(info["hisparse_config"]) if info.get("hisparse_config") else None
         rows.append({"impl": v4_impl_label(run, impl), "impl_in_run": impl, "model": data["model"].rsplit("/", 1)[-1],
                      "B": config["device_buffer_size"] if config else None,
                      "residency": config.get("residency", True) if config else None,
                      "max_total_tokens": info["max_total_tokens"],
-                     "workload": "24 prompts of 12,000 tokens in one call, 128 greedy tokens, under pressure",
+                     "workload": workload,
                      "decode_tok_s": summary["decode_tok_s"], "decode_tok_s_spread": summary["decode_tok_s_spread"],
                      "tpot_ms": summary["tpot_ms"], "held": summary["held"], "miss_rate": summary["miss_rate"],
                      "pools_back_to_initial": summary["pools_back_to_initial"],
                      "rounds_tok_s": [r.get("decode_tok_s") for r in runs],
                      "paired_ratio_vs": {v4_impl_label(run, other): paired(impl, other) for other in by_round
-                                         if other != impl},
+                                         if other != impl and by_round[other]},
                      "device": data["device"]["nvidia_smi"], "run": run})
     return rows
 
