@@ -11,8 +11,9 @@
 //
 // Planner stages (one CTA per request, all state in shared memory; a configuration too large for it
 // keeps its top-k-sized arrays in a per-request global spill slice instead: PlanSpill). A resident request (residency
-// tables passed, resident[r] != 0) and then a short one (seq_len <= B) leave after S0's top-k row
-// with their rows looked up directly (resolve_resident / the fast path): no IO, no table change.
+// tables passed, resident[r] != 0) and then a short one (seq_len <= its buffer size: B, or its entry
+// of buffer_sizes) leave after S0's top-k row with their rows looked up directly (resolve_resident /
+// the fast path): no IO, no table change.
 //   S0  stage the request's rows (top-k, slot tokens, LRU, hot locs) into smem with cp.async
 //   S1  insert the selected positions into an open-addressing hash table (position -> j)
 //   S2  every slot looks its token up: slot s holding selection j is a hit for j
@@ -299,6 +300,11 @@ struct ResolveParams {
   // >= 0 implies slot_map[r, q] == s. The resolver writes each miss's entry (S6).
   int16_t* slot_map;  // [table_rows, >= max_context], row stride map_stride
   int64_t map_stride;
+  // Per-request buffer sizes (nullable: every request uses all kB slots). Request row r uses the
+  // slots [0, buffer_sizes[r]) of its tables (0 <= size <= kB; the newest position keeps slot kB):
+  // its fast path holds while seq_len <= size, and a slot at or beyond size is neither a hit nor a
+  // victim (its token is ignored; it keeps its place among the kept slots of the LRU row).
+  const int32_t* buffer_sizes;  // [>= table_rows]
   uint32_t* state;  // workspace state words
   int64_t* flat_host;  // workspace miss list [>= num_reqs * kTopK]
   int32_t* flat_dev;
@@ -728,7 +734,7 @@ __device__ __forceinline__ PlanThread plan_thread() {
   return t;
 }
 
-// A long request (seq_len > B) being planned: its index in the batch and its rows of the tables
+// A long request (seq_len > its buffer size) being planned: its index in the batch and its rows of the tables
 // that S0-S6 read or update.
 struct PlanRequest {
   int i;
@@ -739,12 +745,14 @@ struct PlanRequest {
   int32_t* out_row;
   int16_t* hist_row;  // reuse-table history (nullptr: LRU)
   int16_t* map_row;  // position -> slot map (nullptr: hash-table planning)
+  int size;  // slots in use: [0, size) (ResolveParams::buffer_sizes)
 };
 
 __device__ __forceinline__ PlanRequest long_request(
-    const ResolveParams& p, const int i, const int64_t r, const int32_t* hot_row, int32_t* out_row) {
+    const ResolveParams& p, const int i, const int64_t r, const int32_t* hot_row, int32_t* out_row, const int size) {
   PlanRequest rq;
   rq.i = i;
+  rq.size = size;
   rq.tok_row = p.slot_tokens + r * p.tok_stride;
   rq.lru_row = p.lru + r * p.lru_stride;
   rq.hot_row = hot_row;
@@ -753,6 +761,17 @@ __device__ __forceinline__ PlanRequest long_request(
   rq.hist_row = p.slot_hist != nullptr ? p.slot_hist + r * p.hist_stride : nullptr;
   rq.map_row = p.slot_map != nullptr ? p.slot_map + r * p.map_stride : nullptr;
   return rq;
+}
+
+// The slots request row r uses (ResolveParams::buffer_sizes; kB without the table). A size outside
+// [0, kB] counts one error and is clamped into it. CTA-uniform (every thread reads the same word).
+template <int kB>
+__device__ __forceinline__ int request_buffer_size(const ResolveParams& p, const int64_t r) {
+  if (p.buffer_sizes == nullptr) return kB;
+  const int32_t size = p.buffer_sizes[r];
+  if (size >= 0 && size <= kB) return size;
+  if (threadIdx.x == 0) count_error(p.state);  // precondition: 0 <= buffer_sizes[r] <= B
+  return size < 0 ? 0 : kB;
 }
 
 // The positions of a long request: the newest (seq_len - 1, the one being decoded: its device row
@@ -816,7 +835,7 @@ __device__ __forceinline__ void reject_request(const ResolveParams& p, const int
   }
 }
 
-// Fast path (seq_len <= B): position q lives at slot q, so out[j] = hot_locs[r, q] from the
+// Fast path (seq_len <= the request's buffer size): position q lives at slot q, so out[j] = hot_locs[r, q] from the
 // staged hot row; -1 for padding. No IO, no table change, a plan count of 0. A position >= seq_len
 // writes -1 and counts an error. Called by every thread of the CTA (it contains a barrier).
 template <int kB, int kTopK, bool kReuse>
@@ -902,12 +921,12 @@ __device__ __forceinline__ void insert_selection(
 // If several slots held the same position (invalid state) the reference keeps the last one:
 // atomicMax picks the largest slot index.
 template <int kB, int kTopK, bool kReuse>
-__device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t) {
+__device__ __forceinline__ void find_hits(const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const int size) {
   using Lay = PlanLayout<kB, kTopK>;
   for (int s = t.tid; s < kB; s += t.nt) {
     const int32_t tk = sm.tok[s];
     int32_t j = -1;
-    if (tk >= 0) {
+    if (tk >= 0 && s < size) {  // a slot beyond the request's size holds nothing
       int h = hash_of<Lay::kHashBits>(tk);
       while (true) {
         const int32_t k = sm.hkeys[h];
@@ -966,7 +985,7 @@ __device__ __forceinline__ void find_hits_in_map(
   const int32_t* tokens = rq.tok_row;
   if constexpr (kMapStagesTokens<kB, kTopK, kReuse>) tokens = sm.hkeys;
   auto claim = [&](const int j, const int32_t q, const int s) {
-    if (s < 0 || s >= kB || tokens[s] != q) return;  // not held: a miss
+    if (s < 0 || s >= rq.size || tokens[s] != q) return;  // not held (or beyond the buffer's size): a miss
     if (atomicCAS(sm.tok + s, -1, j) == -1) {
       sm.sel[j] = s;
     } else {
@@ -1008,10 +1027,11 @@ __device__ __forceinline__ int reuse_level(const uint8_t* levels, const uint16_t
 template <int kB, int kTopK, bool kReuse>
 __device__ __forceinline__ void count_misses(
     const ResolveParams& p, const PlanSmem<kB, kTopK, kReuse>& sm, const PlanThread& t, const WarpRanges& w,
-    const Positions& pos) {
-  // Slot state for LRU entry s: 0 evictable, 1 hit this step, 2 invalid slot id (kept in place).
+    const Positions& pos, const int size) {
+  // Kept in place (not evictable): a slot hit this step, a slot beyond the request's size, an
+  // invalid slot id.
   auto slot_is_evictable = [&](int s) -> bool {
-    if (s < 0 || s >= kB) return false;
+    if (s < 0 || s >= size) return false;
     const int32_t j = sm.tok[s];
     return !(j >= 0 && sm.sel[j] == s);
   };
@@ -1315,16 +1335,17 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     return;
   }
   const int32_t* hot_row = p.hot_locs + r * p.hot_stride;
+  const int size = request_buffer_size<kB>(p, r);  // B without per-request sizes
 
-  // ---- Fast path (L <= B): position q lives at slot q; no IO, no table change. ----
-  if (L <= kB) {  // CTA-uniform
+  // ---- Fast path (L <= size): position q lives at slot q; no IO, no table change. ----
+  if (L <= size) {  // CTA-uniform
     resolve_short(p, i, L, hot_row, sm, out_row);
     finish_planner<kItemBytes, kSkipIO>(p, copier_mode, 0, 0);
     return;
   }
 
-  // ---- Long path (L > B). ----
-  const PlanRequest rq = long_request(p, i, r, hot_row, out_row);
+  // ---- Long path (L > size). ----
+  const PlanRequest rq = long_request(p, i, r, hot_row, out_row, size);
   const Positions pos = positions(p, L);
   stage_tables(sm, t, rq);  // S0 (long path): tables, hash table, selection map
   MapCandidates cand{};
@@ -1343,13 +1364,13 @@ __device__ __forceinline__ void plan_request(const ResolveParams& p, const int i
     __syncthreads();
     HS_STAMP(3, clock64());
 
-    find_hits(sm, t);  // S2
+    find_hits(sm, t, size);  // S2
     __syncthreads();
     HS_STAMP(4, clock64());
   }
 
   const WarpRanges w = warp_ranges<kB, kTopK>(t);
-  count_misses(p, sm, t, w, pos);  // S3
+  count_misses(p, sm, t, w, pos, size);  // S3
   __syncthreads();
   HS_STAMP(5, clock64());
 
@@ -1680,9 +1701,9 @@ BoundResolve bind_layer(
     const TensorView& plan_host, const TensorView& plan_dev, const TensorView& plan_counts,
     const TensorView& counters, const TensorView& resident, const TensorView& req_to_token,
     const TensorView& logical_to_device, const TensorView& slot_history, const TensorView& reuse_levels,
-    const TensorView& slot_map, const TensorView& ws_state, const TensorView& ws_flat_host,
-    const TensorView& ws_flat_dev, const TensorView& ws_spill, int64_t block, int64_t num_copiers,
-    int64_t spin_timeout_ns) {
+    const TensorView& slot_map, const TensorView& buffer_sizes, const TensorView& ws_state,
+    const TensorView& ws_flat_host, const TensorView& ws_flat_dev, const TensorView& ws_spill, int64_t block,
+    int64_t num_copiers, int64_t spin_timeout_ns) {
   check_block(block);
   check_table(hot_locs, 32, kB + 1, "hot_locs");
   check_table(slot_tokens, 32, kB, "slot_tokens");
@@ -1702,6 +1723,13 @@ BoundResolve bind_layer(
   if (has_map) {
     check_table(slot_map, 16, host_locs.size(1), "slot_map");
     rows = slot_map.size(0) < rows ? slot_map.size(0) : rows;
+  }
+  const bool has_sizes = buffer_sizes.numel() > 0;  // empty: every request uses B slots
+  if (has_sizes) {
+    host::RuntimeCheck(buffer_sizes.ndim() == 1 && is_int(buffer_sizes.dtype(), 32) &&
+                           (buffer_sizes.size(0) <= 1 || buffer_sizes.stride(0) == 1),
+                       "hisparse: buffer_sizes must be a contiguous int32 [rows] tensor");
+    rows = buffer_sizes.size(0) < rows ? buffer_sizes.size(0) : rows;
   }
   const bool has_residency = check_residency(resident, req_to_token, logical_to_device, rows);
   host::RuntimeCheck(is_int(num_real_reqs.dtype(), 32) && num_real_reqs.numel() >= 1,
@@ -1761,6 +1789,9 @@ BoundResolve bind_layer(
   host::RuntimeCheck(!has_map || same_device(slot_map, dev_type, dev_id), "hisparse: slot_map must be on the tables' device");
   p.slot_map = has_map ? ptr<int16_t>(slot_map) : nullptr;
   p.map_stride = has_map ? slot_map.stride(0) : 0;
+  host::RuntimeCheck(!has_sizes || same_device(buffer_sizes, dev_type, dev_id),
+                     "hisparse: buffer_sizes must be on the tables' device");
+  p.buffer_sizes = has_sizes ? ptr<const int32_t>(buffer_sizes) : nullptr;
   p.host_kv = ptr<const uint8_t>(host_kv);
   p.host_rows = host_kv.ndim() >= 1 ? host_kv.size(0) * RowLayout<kItemBytes>::kRowsPerUnit : 0;
   p.device_kv = ptr<uint8_t>(device_kv);
@@ -1898,6 +1929,7 @@ int64_t resolve_prepare(int64_t block) {
 // copies its own misses; > 0: that many copier CTAs. kReuse: the entry point of the reuse-table
 // policy, which needs slot_history and reuse_levels (the LRU one refuses them). slot_map: int16
 // [>= table rows, >= max_context] with contiguous columns, the position -> slot map (empty: off).
+// buffer_sizes: int32 [>= table rows], each request's slots in use (empty: B for every request).
 template <int kItemBytes, int kB, int kTopK, bool kSkipIO, bool kReuse>
 void resolve_bind(
     TensorView bound,
@@ -1918,6 +1950,7 @@ void resolve_bind(
     TensorView slot_history,
     TensorView reuse_levels,
     TensorView slot_map,
+    TensorView buffer_sizes,
     TensorView ws_state,
     TensorView ws_flat_host,
     TensorView ws_flat_dev,
@@ -1928,8 +1961,8 @@ void resolve_bind(
   BoundResolve* dst = detail::bound_storage(bound);
   const BoundResolve b = detail::bind_layer<kItemBytes, kB, kTopK, kSkipIO, kReuse>(
       hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, num_real_reqs, plan_host, plan_dev, plan_counts,
-      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, slot_map, ws_state,
-      ws_flat_host, ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
+      counters, resident, req_to_token, logical_to_device, slot_history, reuse_levels, slot_map, buffer_sizes,
+      ws_state, ws_flat_host, ws_flat_dev, ws_spill, block, num_copiers, spin_timeout_ns);
   std::memcpy(static_cast<void*>(dst), &b, sizeof(b));
 }
 

@@ -23,6 +23,11 @@ reference's preconditions:
   pool row and position of the context (and 3 columns more): every held position names its slot
   (the map's invariant), every other entry is garbage, mostly slots that hold other positions
   (stale entries), some out of range;
+* with ``buffer_sizes`` on (per-request buffer sizes), each pool row uses ``S`` slots, ``S = B``
+  for about a quarter of the rows, else uniform in ``[min(top_k, B), B]``; the slot tables are drawn
+  as above, so a slot at or beyond ``S`` holds a position (as a shrunk buffer's stale slot would)
+  that the resolver must ignore, and a short-layout row (``seq_len <= B``) longer than ``S`` is a
+  long one;
 * ``hot_locs`` rows are disjoint device rows; ``host_locs`` rows are contiguous per request or
   random over the host pool;
 * with ``item_bytes`` 584 (DeepSeek-V4's C4 rows) the KV buffers are paged (``[pages, 37440]``
@@ -149,6 +154,7 @@ class CaseSpec:
     reuse: bool = False  # pass slot_history / reuse_levels (the reuse-table policy)
     reuse_levels: int = 54  # with reuse: distinct levels drawn for the 54 cells (1: LRU order)
     slot_map: bool = False  # pass slot_map (the position -> slot map)
+    buffer_sizes: bool = False  # pass buffer_sizes (per-request buffer sizes)
 
     def describe(self) -> str:
         d = dataclasses.asdict(self)
@@ -204,12 +210,14 @@ def random_spec(
         **_residency_knobs(random.Random(seed ^ _RESIDENCY_SALT)),
         **_reuse_knobs(random.Random(seed ^ _REUSE_SALT)),
         slot_map=random.Random(seed ^ _MAP_SALT).random() < 0.4,
+        buffer_sizes=random.Random(seed ^ _SIZES_SALT).random() < 0.35,
     )
 
 
 _RESIDENCY_SALT = 0x7E51DE47
 _REUSE_SALT = 0x2E05E7AB
 _MAP_SALT = 0x51075A9
+_SIZES_SALT = 0x5172E5
 
 
 def _reuse_knobs(rng: random.Random) -> dict[str, Any]:
@@ -566,8 +574,8 @@ def _optional_tables(spec: CaseSpec, gen: torch.Generator, ctx: int, D: int, tok
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Draw the tables of the spec's optional features, last and in this order (the other tensors
     of a spec do not depend on them): the residency inputs, the reuse policy's ``reuse_levels``
-    input and its per-layer history, the slot map. Returns the extra inputs and the history and
-    map copies ``{"kernel": ..., "ref": ...}`` (empty when off)."""
+    input and its per-layer history, the slot map, the buffer sizes. Returns the extra inputs and
+    the history and map copies ``{"kernel": ..., "ref": ...}`` (empty when off)."""
     inputs: dict[str, torch.Tensor] = {}
     if spec.residency:
         inputs.update(_residency_tables(spec, gen, spec.max_reqs, ctx, first_row=D))
@@ -580,7 +588,20 @@ def _optional_tables(spec: CaseSpec, gen: torch.Generator, ctx: int, D: int, tok
     if spec.slot_map:
         slot_map = random_slot_map(gen, tokens, ctx + 3, spec.B)
         map_all = {"kernel": slot_map.clone(), "ref": slot_map.clone()}
+    if spec.buffer_sizes:
+        inputs["buffer_sizes"] = random_buffer_sizes(gen, spec.max_reqs, spec.B, spec.top_k)
     return inputs, history_all, map_all
+
+
+def random_buffer_sizes(gen: torch.Generator, rows: int, B: int, top_k: int) -> torch.Tensor:
+    """Per-request buffer sizes (int32 [rows] on ``gen``'s device): B for about a quarter of the
+    rows, else uniform in ``[min(top_k, B), B]`` (a size never below the selections a row may
+    have, the resolver's precondition)."""
+    dev = gen.device
+    low = min(top_k, B)
+    sizes = torch.randint(low, B + 1, (rows,), generator=gen, device=dev)
+    full = torch.rand(rows, generator=gen, device=dev) < 0.25
+    return torch.where(full, B, sizes).to(torch.int32)
 
 
 def _writable(spec: CaseSpec, slot_tokens_all: torch.Tensor, lru_all: torch.Tensor, out: torch.Tensor,

@@ -99,3 +99,40 @@ def test_emulated_kernel_keeps_the_slot_map_across_steps(emu):
             assert differences(case) == [], (B, K, step)
             misses = int(case.ref["counters"][1]) - before
             assert (misses > 0) if step == 0 else (misses == 0), (B, K, step, misses)
+
+
+@pytest.mark.slow
+def test_emulated_kernel_honours_per_request_buffer_sizes(emu):
+    """With ``buffer_sizes`` (each request's slots in use, here most below B): the kernel agrees
+    with the oracle on every output, with the hash table and with the position -> slot map, over
+    three planner layouts; and the same launch without the sizes differs from the oracle with them
+    (the sizes decide the outcome of these cases, so the comparison can fail)."""
+    import torch
+    import run_emulation
+    from sglang_hisparse.resolver import cuda as rcuda
+    from sglang_hisparse.resolver.batched import resolve_batched
+    from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, differences, make_case
+
+    dev = torch.device("cpu")
+    pool = HostPool(8 << 20, dev, pin=False, seed=2)
+    kbuf = torch.empty(4 << 20, dtype=torch.uint8)
+    rbuf = torch.empty(4 << 20, dtype=torch.uint8)
+    ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
+    for B, K in ((256, 64), (64, 8), (96, 48)):
+        for slot_map in (False, True):
+            spec = CaseSpec(item_bytes=656, B=B, top_k=K, num_reqs=8, num_real=8, max_reqs=10, seed=B + slot_map,
+                            hit_mode="uniform", short_frac=0.5, pad_prob=0.0, plan=True, counters=True,
+                            block_size=64, slot_map=slot_map, buffer_sizes=True)
+            case = make_case(spec, pool, kbuf, rbuf, dev)
+            sizes = case.inputs["buffer_sizes"]
+            assert bool((sizes < B).any()), "the case has no request smaller than B"
+            run_emulation.emulate(emu, case, ws, 64, concurrent=slot_map)
+            resolve_batched(**case.ref_kwargs())
+            assert differences(case) == [], (B, K, slot_map)
+
+            unsized = make_case(spec, pool, kbuf, rbuf, dev)
+            del unsized.inputs["buffer_sizes"]
+            run_emulation.emulate(emu, unsized, ws, 64, concurrent=False)
+            unsized.inputs["buffer_sizes"] = sizes
+            resolve_batched(**unsized.ref_kwargs())
+            assert differences(unsized) != [], (B, K, slot_map)

@@ -80,6 +80,36 @@ def test_misses_take_oldest_unselected_slots_in_topk_order():
     assert c.lru[0].tolist() == [0, 3, 1, 2]  # remaining evictable, misses, hits
 
 
+def test_a_smaller_buffer_size_hides_the_slots_beyond_it():
+    """Size 3 of B = 4: slot 3 is neither a hit (its token t7 misses) nor a victim, and stays
+    among the kept slots of the LRU; the misses take the oldest of slots 0-2."""
+    c = Case(4, tokens=[5, 6, 8, 7], lru=[3, 0, 1, 2])
+    stats = c.resolve([7, 6, 20, 30], seq_len=31, buffer_sizes=torch.tensor([3], dtype=torch.int32))
+    assert c.out[0].tolist() == [100, 101, 102, 104]  # t7 -> slot 0, t6 hit in slot 1, t20 -> slot 2
+    assert c.slot_tokens[0].tolist() == [7, 6, 20, 7]  # slot 3 untouched (its stale t7 stays)
+    assert c.lru[0].tolist() == [0, 2, 3, 1]  # victims, then kept slots (3, hit 1) in old order
+    assert (stats.selected, stats.misses) == (3, 2)
+
+
+def test_the_fast_path_ends_at_the_request_s_buffer_size():
+    """With size 3, a 4-token request (fast path at B = 4) takes the long path: position 3 is the
+    newest (slot B), positions 0-2 are hits in their fast-path slots."""
+    sizes = torch.tensor([3], dtype=torch.int32)
+    c = Case(4, tokens=[0, 1, 2, 3], lru=[0, 1, 2, 3])
+    c.resolve([0, 2, 3, -1], seq_len=3, buffer_sizes=sizes)  # L = 3 <= 3: fast path, nothing changes
+    assert c.out[0].tolist() == [100, 102, 103, -1] and c.lru[0].tolist() == [0, 1, 2, 3]
+    c.resolve([0, 2, 3, -1], seq_len=4, buffer_sizes=sizes)
+    assert c.out[0].tolist() == [100, 102, 104, -1]
+    assert c.lru[0].tolist() == [1, 0, 2, 3]
+
+
+@pytest.mark.parametrize("size", [-1, 5])
+def test_a_buffer_size_outside_zero_to_b_is_refused(size):
+    c = Case(4, tokens=[0, 1, 2, 3], lru=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="buffer_sizes"):
+        c.resolve([0, -1, -1, -1], seq_len=9, buffer_sizes=torch.tensor([size], dtype=torch.int32))
+
+
 def test_skip_io_updates_tables_but_copies_nothing_and_plan_replays():
     c = Case(4, tokens=[5, 6, 7, 8], lru=[0, 1, 2, 3])
     plan = MissPlan(

@@ -343,7 +343,7 @@ def test_resolve_cuda_rejects_bad_arguments_before_building(change, message, mon
 
 def _record_skip_io_launches(monkeypatch, policies: Optional[list] = None) -> list:
     """Replace the kernel module by one whose skip-IO entry points record their arguments: each
-    ``launch_skip_io`` call is recorded as one tuple in the kernel's parameter order (28 entries:
+    ``launch_skip_io`` call is recorded as one tuple in the kernel's parameter order (29 entries:
     the batch's top-k, seq_lens and request indices, the six tables, out, then what ``bind_skip_io``
     received after the tables for the same parameter tensor). The module has no copying entry
     points, so a call that picks one fails. ``policies`` (when given) receives the ``reuse`` flag
@@ -430,7 +430,7 @@ def test_skip_io_does_not_require_pinned_host_kv(monkeypatch):
     kw = _valid_kwargs()
     cuda.resolve_cuda(skip_io=True, **kw)
     (args,) = calls
-    assert len(args) == 28  # the C++ entry point's parameters
+    assert len(args) == 29  # the C++ entry point's parameters
     assert args[-3] == 960 and args[-2] == -1  # default block size, automatic copiers
     assert args[-4] is kw["workspace"].planner_spill and args[-4].numel() == 0  # B=32, top_k=16 does not spill
     assert args[11].numel() == 0 and args[14].numel() == 0  # no plan, no counters
@@ -455,6 +455,24 @@ def test_the_slot_map_reaches_the_kernel_in_place_and_bad_maps_are_refused(monke
                          (wide[:, :199], "max_context = 200"), (wide.t(), "slot_map")):
         with pytest.raises(ValueError, match=message):
             cuda.resolve_cuda(skip_io=True, slot_map=bad, **_valid_kwargs())
+
+
+def test_buffer_sizes_reach_the_kernel_in_place_and_bad_ones_are_refused(monkeypatch):
+    """``buffer_sizes`` (int32 [>= table rows]) is passed to the kernel's bind as given, right
+    after the slot map (an empty int32 tensor without it); a wrong dtype, too few rows, a strided
+    vector or another shape is refused before anything is built, naming the tensor."""
+    calls = _record_skip_io_launches(monkeypatch)
+    sizes = torch.full((6,), 3, dtype=torch.int32)
+    cuda.resolve_cuda(skip_io=True, buffer_sizes=sizes, **_valid_kwargs())
+    cuda.resolve_cuda(skip_io=True, **_valid_kwargs())
+    (with_sizes, without) = calls
+    assert with_sizes[21].data_ptr() == sizes.data_ptr()
+    assert (without[21].numel(), without[21].dtype) == (0, torch.int32)
+    monkeypatch.setattr(cuda, "_static_checked", {})
+    wide = torch.zeros(4, 2, dtype=torch.int32)
+    for bad in (sizes.long(), sizes[:3], wide[:, 0], wide):
+        with pytest.raises(ValueError, match="buffer_sizes"):
+            cuda.resolve_cuda(skip_io=True, buffer_sizes=bad, **_valid_kwargs())
 
 
 def _residency_kwargs(R: int = 4, context: int = 200, flag_dtype: torch.dtype = torch.uint8):
@@ -700,7 +718,7 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     assert not hasattr(module, "resolve") and not hasattr(module, "resolve_skip_io")
     params = torch.zeros(cuda.BOUND_BYTES, dtype=torch.uint8)
     with pytest.raises(Exception, match="block size"):
-        module.bind_skip_io(params, *([torch.zeros(1)] * 21), 48, -1, 0)
+        module.bind_skip_io(params, *([torch.zeros(1)] * 22), 48, -1, 0)
     tables = [torch.zeros(4, 129, dtype=torch.int32), torch.zeros(4, 128, dtype=torch.int32),
               torch.zeros(4, 128, dtype=torch.int16), torch.zeros(4, 300, dtype=torch.int64)]
     rest = [torch.zeros(1)] * 7  # host_kv .. counters: checked after the residency tables
@@ -708,7 +726,8 @@ def test_jit_build_for_hopper_exports_checked_entry_points(hopper_module):
     with pytest.raises(Exception, match="resident"):
         module.bind(params, *tables, *rest, bad_flags, torch.zeros(4, 300, dtype=torch.int32),
                     torch.zeros(9, dtype=torch.int64), torch.zeros(0, dtype=torch.int16),
-                    torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int16), *([torch.zeros(1)] * 4),
+                    torch.zeros(0, dtype=torch.uint8), torch.zeros(0, dtype=torch.int16),
+                    torch.zeros(0, dtype=torch.int32), *([torch.zeros(1)] * 4),
                     64, -1, 0)
     assert not params.any(), "a refused bind wrote its parameters"
 

@@ -20,7 +20,9 @@ With ``slot_history`` and ``reuse_levels`` (the reuse policy, see ``reference.py
 are the evictable slots of lowest ``level * (B + 1) + LRU position``, taken in LRU order, and the
 long rows' history is updated; everything is batched as for LRU. With ``slot_map`` (the
 position -> slot map, see ``reference.py``) each miss's entry is written. ``compress_ratio`` and
-row views (DeepSeek-V4's paged C4 buffers) are as in ``reference.py``.
+row views (DeepSeek-V4's paged C4 buffers) are as in ``reference.py``, and so are
+``buffer_sizes`` (each request's slots in use: the fast path is ``L <= S``; slots ``>= S`` are
+masked out of the lookup and the eviction choice).
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ def resolve_batched(
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
+    buffer_sizes: Optional[torch.Tensor] = None,
 ) -> None:
     """Resolve one layer for a batch (see ``reference.py``); updates tensors in place.
 
     Raises AssertionError where the reference would (more misses than evictable slots), and when
     the real rows' ``req_pool_indices`` are not distinct; ValueError for a partial set of the
     residency tables (``resident``, ``req_to_token``, ``logical_to_device``: all three or none)
-    or of the policy tables (``slot_history``, ``reuse_levels``: both or neither).
+    or of the policy tables (``slot_history``, ``reuse_levels``: both or neither); ValueError for
+    a buffer size outside [0, B] among the real rows' (reads them: a host sync).
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
     policy = policy_tables(slot_history, reuse_levels)
@@ -73,13 +77,14 @@ def resolve_batched(
     assert torch.unique(r).numel() == n, "batched reference needs distinct req_pool_indices"
 
     hot = hot_locs.index_select(0, r).long()  # [n, W]
+    size = _row_sizes(buffer_sizes, r, B)  # [n] slots each row uses
     res, result = _resident_results(pos, L, r, residency, compress_ratio)
-    short = (L <= B) & ~res  # fast path rows
+    short = (L <= size) & ~res  # fast path rows
     longr = ~short & ~res
     result = torch.where(short[:, None], _fast_results(pos, hot), result)
 
     history = None if policy is None else slot_history.index_select(0, r.to(slot_history.device)).to(dev)  # [n, B]
-    long_rows = _plan_long_rows(pos, L, r, longr, hot, slot_tokens, lru, B, history, reuse_levels)
+    long_rows = _plan_long_rows(pos, L, r, longr, hot, slot_tokens, lru, B, history, reuse_levels, size)
     result = _long_results(long_rows, pos, hot, longr, B, result)
 
     _write_misses(long_rows.miss, pos, long_rows.victim, long_rows.dev_row, r, host_locs=host_locs,
@@ -110,6 +115,17 @@ class _LongRows(NamedTuple):
     dev_row: torch.Tensor  # the victim slot's device row
 
 
+def _row_sizes(buffer_sizes: Optional[torch.Tensor], r: torch.Tensor, B: int) -> torch.Tensor:
+    """The slots each batch row uses ([n] int64 on ``r``'s device): ``buffer_sizes[r]``, or B
+    without the table. Raises ValueError for a size outside [0, B] (a host sync)."""
+    if buffer_sizes is None:
+        return torch.full_like(r, B)
+    size = buffer_sizes.index_select(0, r.to(buffer_sizes.device)).long().to(r.device)
+    if bool(((size < 0) | (size > B)).any()):
+        raise ValueError(f"buffer_sizes must lie in [0, B = {B}]; got {size.tolist()[:8]} for the batch's rows")
+    return size
+
+
 def _resident_results(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, residency: Optional[tuple],
                       ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rows are resident ([n] bool) and the result so far ([n, K] int64): resident rows'
@@ -130,20 +146,22 @@ def _fast_results(pos: torch.Tensor, hot: torch.Tensor) -> torch.Tensor:
 
 def _plan_long_rows(pos: torch.Tensor, L: torch.Tensor, r: torch.Tensor, longr: torch.Tensor, hot: torch.Tensor,
                     slot_tokens: torch.Tensor, lru: torch.Tensor, B: int, history: Optional[torch.Tensor],
-                    reuse_levels: Optional[torch.Tensor]) -> _LongRows:
-    """Lookup and eviction choice of the long rows (``longr``): hits against their slot tables,
-    misses ranked in top-k order, victims by LRU or, with ``history`` (the rows' ``slot_history``),
-    by the reuse levels. Reads only."""
+                    reuse_levels: Optional[torch.Tensor], size: torch.Tensor) -> _LongRows:
+    """Lookup and eviction choice of the long rows (``longr``): hits against their slot tables
+    (the slots below each row's ``size``), misses ranked in top-k order, victims by LRU or, with
+    ``history`` (the rows' ``slot_history``), by the reuse levels. Reads only."""
     newest = pos == (L - 1)[:, None]
     valid = (pos >= 0) & ~newest & longr[:, None]
-    tokens = slot_tokens.index_select(0, r).long()  # [n, B]
+    backed = torch.arange(B, device=pos.device)[None, :] < size[:, None]  # [n, B] slots in use
+    tokens = torch.where(backed, slot_tokens.index_select(0, r).long(), -1)  # [n, B]
     order = lru.index_select(0, r).long()  # [n, B], oldest first
     found, hit_slot, slot_hit = _find_hits(pos, valid, tokens, B)
     miss = valid & ~found
     miss_rank = miss.long().cumsum(1) - 1  # rank among misses, top-k order
     M = miss.sum(1)  # [n]
     level = None if history is None else slot_levels(history, reuse_levels)
-    victim, new_order = _choose_victims(order, slot_hit, miss_rank, M, pos.shape[1], level)
+    kept = slot_hit | ~backed  # neither evictable: hit this step, or beyond the row's size
+    victim, new_order = _choose_victims(order, kept, miss_rank, M, pos.shape[1], level)
     dev_row = hot.gather(1, victim.clamp(min=0))
     return _LongRows(newest, valid, found, hit_slot, slot_hit, miss, miss_rank, M, victim, new_order, dev_row)
 
@@ -234,15 +252,16 @@ def _find_hits(pos: torch.Tensor, valid: torch.Tensor, tokens: torch.Tensor, B: 
     return found, hit_slot, hits_per_slot > 0
 
 
-def _choose_victims(order: torch.Tensor, slot_hit: torch.Tensor, miss_rank: torch.Tensor, M: torch.Tensor, K: int,
+def _choose_victims(order: torch.Tensor, kept: torch.Tensor, miss_rank: torch.Tensor, M: torch.Tensor, K: int,
                     level: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Victims of a row: its ``M`` least recently used slots that no selection hit (LRU), or with
-    ``level`` (int64 [n, B] per slot, the reuse policy) the ``M`` such slots of lowest (level, LRU
-    position). Miss ``m`` takes the ``m``-th victim in LRU order. Returns each selection's victim
-    slot [n, K] (meaningful where it missed) and the new recency order [n, B]: the evictable slots
-    not taken, then the victims, then the hit slots, each group in its previous order."""
+    """Victims of a row: its ``M`` least recently used slots that are not ``kept`` ([n, B] by
+    slot id: hit this step or beyond the row's size) (LRU), or with ``level`` (int64 [n, B] per
+    slot, the reuse policy) the ``M`` such slots of lowest (level, LRU position). Miss ``m`` takes
+    the ``m``-th victim in LRU order. Returns each selection's victim slot [n, K] (meaningful where
+    it missed) and the new recency order [n, B]: the evictable slots not taken, then the victims,
+    then the kept slots, each group in its previous order."""
     n, B = order.shape
-    ev = ~slot_hit.gather(1, order)  # evictable, by LRU rank
+    ev = ~kept.gather(1, order)  # evictable, by LRU rank
     ev_l = ev.long()
     ev_before = ev_l.cumsum(1) - ev_l  # evictables strictly before each LRU rank
     E = ev_l.sum(1)

@@ -376,6 +376,16 @@ def _check_slot_map(slot_map: torch.Tensor, table_rows: int, max_context: int, d
            f"has {tuple(slot_map.shape)}")
 
 
+def _check_buffer_sizes(buffer_sizes: torch.Tensor, table_rows: int, device: torch.device) -> None:
+    """The checks of the per-request buffer sizes (the kernel's): a contiguous int32 vector with an
+    entry per table row, on the tables' device. Its values are not read here (no sync): the kernel
+    counts an error for a size outside [0, B]."""
+    _check(buffer_sizes.dim() == 1 and buffer_sizes.dtype == torch.int32 and buffer_sizes.device == device
+           and buffer_sizes.shape[0] >= table_rows and (buffer_sizes.shape[0] <= 1 or buffer_sizes.stride(0) == 1),
+           f"buffer_sizes must be a contiguous int32 [>= {table_rows}] tensor on {device}, got {buffer_sizes.dtype} "
+           f"{tuple(buffer_sizes.shape)} on {buffer_sizes.device}")
+
+
 def _check_residency(
     resident: torch.Tensor, req_to_token: torch.Tensor, logical_to_device: torch.Tensor, table_rows: int,
     device: torch.device,
@@ -409,16 +419,16 @@ class _Static:
     """(hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv)"""
     extras: tuple
     """(plan host rows, plan device rows, plan counts, counters, resident, req_to_token,
-    logical_to_device, slot_history, reuse_levels, slot_map, workspace state, miss-list host rows,
-    miss-list device rows, spill buffer, block, copiers, spin timeout)"""
+    logical_to_device, slot_history, reuse_levels, slot_map, buffer_sizes, workspace state, miss-list
+    host rows, miss-list device rows, spill buffer, block, copiers, spin timeout)"""
 
 
 def _validate_static(
     *, hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv, device_buffer_size: int, top_k: int,
     workspace: ResolveWorkspace, residency: Optional[tuple] = None, reuse: Optional[tuple] = None,
-    slot_map: Optional[torch.Tensor] = None, skip_io: bool = False, plan: Optional[MissPlan] = None,
-    counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
-    compress_ratio: int = 1,
+    slot_map: Optional[torch.Tensor] = None, buffer_sizes: Optional[torch.Tensor] = None, skip_io: bool = False,
+    plan: Optional[MissPlan] = None, counters: Optional[torch.Tensor] = None, block_size: Optional[int] = None,
+    num_copiers: Optional[int] = None, compress_ratio: int = 1,
 ) -> _Static:
     """Every check of resolve_cuda's arguments that is not about the batch; raises ValueError."""
     B, device = int(device_buffer_size), workspace.device
@@ -431,6 +441,8 @@ def _validate_static(
         _check_reuse(*reuse, B, table_rows, device)
     if slot_map is not None:
         _check_slot_map(slot_map, table_rows, int(host_locs.shape[1]), device)
+    if buffer_sizes is not None:
+        _check_buffer_sizes(buffer_sizes, table_rows, device)
     if residency is not None:
         _check_residency(*residency, table_rows, device)
     if plan is not None:
@@ -450,7 +462,8 @@ def _validate_static(
         plan.host_rows if plan is not None else e64, plan.device_rows if plan is not None else e32,
         plan.counts if plan is not None else e32, counters if counters is not None else e64,
         resident, req_to_token, logical_to_device, slot_history, levels,
-        slot_map if slot_map is not None else workspace.empty_i16, workspace.state, workspace.flat_host_rows,
+        slot_map if slot_map is not None else workspace.empty_i16,
+        buffer_sizes if buffer_sizes is not None else e32, workspace.state, workspace.flat_host_rows,
         workspace.flat_device_rows, workspace.planner_spill, block, -1 if num_copiers is None else int(num_copiers),
         spin_timeout_ns(),
     )
@@ -544,7 +557,7 @@ def resolve_cuda(
     resident: Optional[torch.Tensor] = None, req_to_token: Optional[torch.Tensor] = None,
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
-    slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
+    slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1, buffer_sizes: Optional[torch.Tensor] = None,
     workspace: ResolveWorkspace, block_size: Optional[int] = None, num_copiers: Optional[int] = None,
     stage_clock: Union[bool, str] = False,
 ) -> None:
@@ -553,6 +566,8 @@ def resolve_cuda(
     Side effects (all on the current stream, asynchronous): writes ``out[:num_real]``, the victims'
     ``slot_tokens`` (and, with ``slot_map``, the misses' map entries), the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
+    ``buffer_sizes`` (int32 [table rows], optional) is read by the kernel at every launch (a
+    captured graph sees its current contents), as the residency tables are.
     Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
     (and a plan count of 0); the three tables are only read, so their contents (not their
     addresses) may change between replays of a captured graph. The first call with a set of buffers
@@ -582,13 +597,13 @@ def resolve_cuda(
     host_buf, device_buf, _ = kv_buffers(host_kv, device_kv, compress_ratio)
     key = _memo_key((B, top_k, bool(skip_io), stage_clock, workspace.device, block_size, num_copiers, compress_ratio),
                     (hot_locs, slot_tokens, lru, host_locs, host_buf, device_buf), residency, reuse, slot_map, plan,
-                    counters, workspace.state, num_real)
+                    counters, workspace.state, num_real, buffer_sizes)
     layer = _static_checked.get(key)
     static = layer.static if layer is not None else _validate_static(
         hot_locs=hot_locs, slot_tokens=slot_tokens, lru=lru, host_locs=host_locs, host_kv=host_kv,
         device_kv=device_kv, device_buffer_size=B, top_k=top_k, skip_io=skip_io, plan=plan, counters=counters,
-        residency=residency, reuse=reuse, slot_map=slot_map, workspace=workspace, block_size=block_size,
-        num_copiers=num_copiers, compress_ratio=compress_ratio)
+        residency=residency, reuse=reuse, slot_map=slot_map, buffer_sizes=buffer_sizes, workspace=workspace,
+        block_size=block_size, num_copiers=num_copiers, compress_ratio=compress_ratio)
     if num_reqs == 0:
         return  # validated, nothing to launch (binding would build the kernel module)
     n_real = _num_real_tensor(num_real_reqs, workspace.resolve_num_real)  # `num_real`, checked (an int written)
@@ -599,7 +614,7 @@ def resolve_cuda(
 
 def _memo_key(options: tuple, tables: tuple, residency: Optional[tuple], reuse: Optional[tuple],
               slot_map: Optional[torch.Tensor], plan: Optional[MissPlan], counters: Optional[torch.Tensor],
-              state: torch.Tensor, num_real: torch.Tensor) -> tuple:
+              state: torch.Tensor, num_real: torch.Tensor, buffer_sizes: Optional[torch.Tensor] = None) -> tuple:
     """The key of one :func:`resolve_cuda` call in ``_static_checked``: its ``options`` (B, top_k,
     skip_io, stage_clock, device, block_size, num_copiers), then the signatures of the tensors the
     layer binds (``tables``: hot_locs, slot_tokens, lru, host_locs, host_kv, device_kv; None for an
@@ -609,7 +624,8 @@ def _memo_key(options: tuple, tables: tuple, residency: Optional[tuple], reuse: 
             None if reuse is None else tuple(_signature(t) for t in reuse),
             None if slot_map is None else _signature(slot_map),
             None if plan is None else tuple(_signature(t) for t in (plan.host_rows, plan.device_rows, plan.counts)),
-            None if counters is None else _signature(counters), _signature(state), _signature(num_real))
+            None if counters is None else _signature(counters), _signature(state), _signature(num_real),
+            None if buffer_sizes is None else _signature(buffer_sizes))
 
 
 def _bind_memoized(key: tuple, static: _Static, B: int, top_k: int, num_real: torch.Tensor,

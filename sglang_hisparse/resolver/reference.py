@@ -55,6 +55,14 @@ selections. It does not change any result above. Its invariant, kept by every wr
 entries of positions no slot holds are stale and never read as hits (the kernel checks the
 slot's token). The resolver keeps it by writing each miss's entry: ``slot_map[r, p] = s``.
 
+Per-request buffer sizes (``buffer_sizes``, optional; int32 [max_reqs]): request slot ``r`` uses
+only the slots ``s < S = buffer_sizes[r]`` (``0 <= S <= B``; without the table ``S = B`` for every
+request), so that buffers of different sizes share one table layout. Everything above holds with
+``S`` in place of B, except that the newest position keeps slot B (``hot_locs[r, B]``): the fast
+path is ``L <= S``; a slot ``s >= S`` is neither a hit (its token is ignored) nor evictable, and
+keeps its place among the hit slots in the new LRU order (hit slots and such slots, in their
+previous order, after the victims). Precondition: ``S >=`` the number of non-newest selections.
+
 Row layout. ``host_kv`` and ``device_kv`` are tensors of linear rows (row ``g`` = ``kv[g]``) or
 row views (``resolver/c4_rows.py``: ``C4PagedRows`` for DeepSeek-V4's paged C4 buffers); a copy
 moves a row's bytes whatever the layout.
@@ -108,6 +116,7 @@ def resolve_reference(
     logical_to_device: Optional[torch.Tensor] = None,
     slot_history: Optional[torch.Tensor] = None, reuse_levels: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None, compress_ratio: int = 1,
+    buffer_sizes: Optional[torch.Tensor] = None,
 ) -> ResolveStats:
     """Resolve one layer for a batch (see module docstring).
 
@@ -138,14 +147,16 @@ def resolve_reference(
         slot_map: int16 [max_reqs, >= max_context] this layer's position -> slot map (module
             docstring); each miss's entry is written.
         compress_ratio: tokens per position (1: DSA; 4: DeepSeek-V4's C4 entries; module docstring).
+        buffer_sizes: int32 [max_reqs] slots each request uses (module docstring); None: B.
     """
     residency = residency_tables(resident, req_to_token, logical_to_device)
     host_kv, device_kv = row_view(host_kv), row_view(device_kv)
     policy = policy_tables(slot_history, reuse_levels)
     levels = None if policy is None else reuse_levels.to("cpu")
     check_compress_ratio(compress_ratio)
+    sizes = None if buffer_sizes is None else checked_buffer_sizes(buffer_sizes, device_buffer_size)
     layer = _Layer(hot_locs, slot_tokens, lru, host_locs, device_buffer_size, residency, slot_history, levels,
-                   slot_map, compress_ratio)
+                   slot_map, compress_ratio, sizes)
     stats = ResolveStats()
     for i in range(real_count(num_real_reqs)):
         r, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
@@ -173,6 +184,16 @@ def check_compress_ratio(compress_ratio: int) -> None:
         raise ValueError(f"compress_ratio must be a power of two >= 1 (1: DSA, 4: DeepSeek-V4 C4), got {compress_ratio!r}")
 
 
+def checked_buffer_sizes(buffer_sizes: torch.Tensor, B: int) -> list[int]:
+    """``buffer_sizes`` as a list (reads it to the host); raises ValueError for a size outside
+    ``[0, B]`` (where the kernel counts an error)."""
+    sizes = buffer_sizes.tolist()
+    bad = [(r, size) for r, size in enumerate(sizes) if not 0 <= size <= B]
+    if bad:
+        raise ValueError(f"buffer_sizes must lie in [0, B = {B}]; rows {bad[:4]} do not")
+    return sizes
+
+
 def entry_token_columns(positions: torch.Tensor, compress_ratio: int) -> torch.Tensor:
     """``req_to_token`` column of the token completing each position's entry: ``p * k + k - 1``
     (``p`` itself for k = 1). Pure."""
@@ -194,7 +215,7 @@ class _Layer:
     """One call's per-layer tables (the keywords of :func:`resolve_reference`), for the per-request
     helpers. ``B``: ``device_buffer_size``; ``residency``: ``(resident, req_to_token,
     logical_to_device)`` or None; ``levels``: ``reuse_levels`` on the CPU, or None (LRU);
-    ``ratio``: ``compress_ratio``."""
+    ``ratio``: ``compress_ratio``; ``sizes``: ``buffer_sizes`` as a list, or None (B each)."""
 
     hot_locs: torch.Tensor
     slot_tokens: torch.Tensor
@@ -206,6 +227,11 @@ class _Layer:
     levels: Optional[torch.Tensor]
     slot_map: Optional[torch.Tensor]
     ratio: int = 1
+    sizes: Optional[list[int]] = None
+
+    def size_of(self, r: int) -> int:
+        """The slots request slot ``r`` uses."""
+        return self.B if self.sizes is None else self.sizes[r]
 
 
 def _resolve_one(layer: _Layer, r: int, seq_len: int, positions: list[int]
@@ -218,7 +244,7 @@ def _resolve_one(layer: _Layer, r: int, seq_len: int, positions: list[int]
         columns = entry_token_columns(torch.arange(seq_len), layer.ratio)
         rows = logical_to_device[req_to_token[r, columns].long() // layer.ratio].tolist()
         return [int(rows[p]) if p >= 0 else -1 for p in positions], [], 0
-    if seq_len <= layer.B:  # fast path: position p sits in slot p
+    if seq_len <= layer.size_of(r):  # fast path: position p sits in slot p
         return [int(layer.hot_locs[r, p]) if p >= 0 else -1 for p in positions], [], 0
     return _resolve_request(layer, r, seq_len, positions)
 
@@ -247,11 +273,12 @@ def _resolve_request(layer: _Layer, r: int, seq_len: int, positions: list[int]
     ``slot_map`` the misses' entries of its row."""
     result, hit_slots, miss_js, selected = _lookup(layer, r, seq_len, positions)
     order = layer.lru[r].tolist()
-    evictable = [slot for slot in order if slot not in hit_slots]
+    size = layer.size_of(r)
+    evictable = [slot for slot in order if slot not in hit_slots and slot < size]
     assert len(miss_js) <= len(evictable), "more misses than evictable slots"
     victims, rest = _choose_victims(layer, r, evictable, len(miss_js))
     copies = _fill_victims(layer, r, positions, miss_js, victims, result)
-    new_order = rest + victims + [slot for slot in order if slot in hit_slots]
+    new_order = rest + victims + [slot for slot in order if slot in hit_slots or slot >= size]
     _update_recency(layer, r, new_order, hit_slots, victims)
     return result, copies, selected
 
@@ -263,7 +290,8 @@ def _lookup(layer: _Layer, r: int, seq_len: int, positions: list[int]
     hit slots, the top-k indices of the misses and the number of selected positions (the newest
     token and padding excluded). Reads only."""
     result = [-1] * len(positions)
-    slot_of = {tok: slot for slot, tok in enumerate(layer.slot_tokens[r].tolist()) if tok >= 0}
+    tokens = layer.slot_tokens[r, : layer.size_of(r)].tolist()  # slots beyond the size hold nothing
+    slot_of = {tok: slot for slot, tok in enumerate(tokens) if tok >= 0}
     hit_slots: set[int] = set()
     miss_js: list[int] = []
     selected = 0

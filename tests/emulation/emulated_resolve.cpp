@@ -41,6 +41,7 @@ struct Args {
   torch::Tensor resident, req_to_token, logical_to_device;  // all empty: residency off
   torch::Tensor slot_history, reuse_levels;  // both empty: LRU
   torch::Tensor slot_map;  // empty: hash-table planning
+  torch::Tensor buffer_sizes;  // empty: B slots for every request
   int64_t block, copiers;
   bool concurrent;
 };
@@ -121,6 +122,13 @@ void run_resolve(const Args& a) {
     p.slot_map = ptr<int16_t>(a.slot_map);
     p.map_stride = a.slot_map.stride(0);
   }
+  if (a.buffer_sizes.numel() > 0) {  // the host wrapper's check of the per-request buffer sizes, in short
+    TORCH_CHECK(a.buffer_sizes.dim() == 1 && a.buffer_sizes.scalar_type() == torch::kInt32 &&
+                    a.buffer_sizes.is_contiguous(),
+                "buffer_sizes must be a contiguous int32 [rows] tensor");
+    p.table_rows = std::min(p.table_rows, a.buffer_sizes.size(0));
+    p.buffer_sizes = ptr<const int32_t>(a.buffer_sizes);
+  }
   p.state = reinterpret_cast<uint32_t*>(a.state.data_ptr());
   p.flat_host = ptr<int64_t>(a.flat_host);
   p.flat_dev = ptr<int32_t>(a.flat_dev);
@@ -199,14 +207,14 @@ void resolve(int64_t item, int64_t B, int64_t K, bool skip_io, torch::Tensor top
              torch::Tensor host_kv, torch::Tensor device_kv, torch::Tensor out, torch::Tensor num_real,
              torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts, torch::Tensor counters,
              torch::Tensor resident, torch::Tensor req_to_token, torch::Tensor logical_to_device,
-             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor slot_map, torch::Tensor state,
-             torch::Tensor flat_host,
+             torch::Tensor slot_history, torch::Tensor reuse_levels, torch::Tensor slot_map,
+             torch::Tensor buffer_sizes, torch::Tensor state, torch::Tensor flat_host,
              torch::Tensor flat_dev, torch::Tensor spill, int64_t block, int64_t copiers, bool concurrent) {
   const auto it = table().find(Key{static_cast<int>(item), static_cast<int>(B), static_cast<int>(K), skip_io});
   TORCH_CHECK(it != table().end(), "no emulated instantiation for item ", item, " B ", B, " top_k ", K);
   it->second(Args{topk, seq_lens, rpi, hot, tok, lru, host_locs, host_kv, device_kv, out, num_real, plan_host,
                   plan_dev, plan_counts, counters, state, flat_host, flat_dev, spill, resident, req_to_token,
-                  logical_to_device, slot_history, reuse_levels, slot_map, block, copiers, concurrent});
+                  logical_to_device, slot_history, reuse_levels, slot_map, buffer_sizes, block, copiers, concurrent});
 }
 
 void replay(int64_t item, torch::Tensor plan_host, torch::Tensor plan_dev, torch::Tensor plan_counts,

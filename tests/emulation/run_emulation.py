@@ -68,7 +68,8 @@ def emulate(emu: Any, case: Any, ws: Any, block: int, concurrent: bool) -> None:
         plan.host_rows if plan else e64, plan.device_rows if plan else e32, plan.counts if plan else e32,
         ctr if ctr is not None else e64,
         kw.get("resident", e8), kw.get("req_to_token", e32), kw.get("logical_to_device", e64),
-        kw.get("slot_history", e16), kw.get("reuse_levels", e8), kw.get("slot_map", e16), ws.state,
+        kw.get("slot_history", e16), kw.get("reuse_levels", e8), kw.get("slot_map", e16),
+        kw.get("buffer_sizes", e32), ws.state,
         ws.flat_host_rows, ws.flat_device_rows, ws.planner_spill,
         block, -1 if spec.num_copiers is None else spec.num_copiers, concurrent,
     )

@@ -7,7 +7,9 @@ and above B, hit rates 0..100%, padded rows, -1 padding, newest included or not,
 seq_lens and req_pool_indices, plan recording + copy-only replay, skip-IO, copier CTAs automatic /
 none (planners copy) / few, mixed batches of resident and hot-buffer requests (residency tables
 passed in about a third of the random cases, uint8 or bool flags, strided req_to_token),
-CUDA-graph capture and replay (with residency flags flipped between replays).
+CUDA-graph capture and replay (with residency flags flipped between replays), per-request buffer
+sizes (``buffer_sizes`` in about a third of the random cases: most requests below B, the slots
+beyond each size holding stale positions the kernel must ignore).
 
 Every case poisons all outputs, runs kernel and oracle on identical copies, and compares out,
 slot tokens (both layers), LRU (both layers), device KV bytes, plan and counters; the workspace
@@ -160,7 +162,7 @@ def _random_cases(env, built: float, combo, n_cases: int, budget: float, seed: i
     done = failures = requests = 0
     reports: list[str] = []
     stats = {"skip_io": 0, "plan": 0, "padded": 0, "self_copy": 0, "copiers": 0, "residency": 0, "reuse": 0,
-             "slot_map": 0}
+             "slot_map": 0, "buffer_sizes": 0}
     error = None
     try:
         for c in range(n_cases):
@@ -176,7 +178,8 @@ def _random_cases(env, built: float, combo, n_cases: int, budget: float, seed: i
             for key, on in (("skip_io", spec.skip_io), ("plan", spec.plan), ("padded", spec.num_real < spec.num_reqs),
                             ("self_copy", spec.num_copiers == 0),
                             ("copiers", spec.num_copiers is None or spec.num_copiers > 0),
-                            ("residency", spec.residency), ("reuse", spec.reuse), ("slot_map", spec.slot_map)):
+                            ("residency", spec.residency), ("reuse", spec.reuse), ("slot_map", spec.slot_map),
+                            ("buffer_sizes", spec.buffer_sizes)):
                 stats[key] += bool(on)
             if bad:
                 failures += 1
