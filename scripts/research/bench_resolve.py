@@ -193,17 +193,20 @@ class Ours:
     """Our kernel on one cell, called as a server calls it: the layer's resolver bound once
     (``bind_resolve_cuda``), then per call only the batch tensors (the stage-clock build goes
     through ``resolve_cuda``). ``reuse``: the reuse-table policy (random history, packaged levels).
-    ``slot_map``: planning with the position -> slot map (the cell's tables mapped)."""
+    ``slot_map``: planning with the position -> slot map (the cell's tables mapped). ``sized``: the
+    per-request buffer sizes passed, every one B (the same outputs: what reading them costs)."""
 
     def __init__(self, bench: Bench, cell: dict[str, Any], skip_io: bool, block: int = BLOCK,
                  num_copiers: Optional[int] = None, stage_clock: bool = False, reuse: bool = False,
-                 slot_map: bool = False) -> None:
+                 slot_map: bool = False, sized: bool = False) -> None:
         self.bench, self.cell, self.skip_io, self.block, self.num_copiers = bench, cell, skip_io, block, num_copiers
         self.stage_clock, self.reuse = stage_clock, reuse
         self.tokens = cell["tokens0"].clone()
         self.lru = cell["lru0"].clone()
         self.hist = cell["hist0"].clone()
         self.map = cell["map0"].clone() if slot_map else None
+        rows = cell["hot_locs"].shape[0]
+        self.sizes = torch.full((rows,), cell["B"], dtype=torch.int32, device=cell["hot_locs"].device) if sized else None
         self.out = torch.empty_like(cell["top_k_positions"])
         c = cell
         self.static = dict(
@@ -211,7 +214,8 @@ class Ours:
             host_kv=c["host_kv"], device_kv=c["device_kv"], num_real_reqs=c["num_real"], device_buffer_size=c["B"],
             skip_io=skip_io, num_copiers=num_copiers,
             **(dict(slot_history=self.hist, reuse_levels=c["levels"]) if reuse else {}),
-            **(dict(slot_map=self.map) if slot_map else {}))
+            **(dict(slot_map=self.map) if slot_map else {}),
+            **(dict(buffer_sizes=self.sizes) if sized else {}))
         self.bound = None if stage_clock else rcuda.bind_resolve_cuda(
             top_k=TOP_K, workspace=bench.ws, block_size=block, **self.static)
 
@@ -266,7 +270,8 @@ def check_ours(ours: Ours) -> bool:
         top_k_positions=c["top_k_positions"], seq_lens=c["seq_lens"], req_pool_indices=c["req_pool_indices"],
         hot_locs=c["hot_locs"], slot_tokens=ref_tokens, lru=ref_lru, host_locs=c["host_locs"],
         host_kv=c["host_kv"], device_kv=ref_kv, out=ref_out, num_real_reqs=c["batch"], device_buffer_size=c["B"],
-        skip_io=True, slot_map=ref_map, **(dict(slot_history=ref_hist, reuse_levels=c["levels"]) if ours.reuse else {}),
+        skip_io=True, slot_map=ref_map, buffer_sizes=ours.sizes,
+        **(dict(slot_history=ref_hist, reuse_levels=c["levels"]) if ours.reuse else {}),
     )
     ok = torch.equal(ours.out, ref_out) and torch.equal(ours.tokens, ref_tokens) and torch.equal(ours.lru, ref_lru)
     ok = ok and (not ours.reuse or torch.equal(ours.hist, ref_hist))
@@ -353,6 +358,8 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                         impls.append(("ours_reuse", False, Ours(bench, cell, False, reuse=True)))
                     if args.slot_map:  # planning with the position -> slot map, same cell
                         impls.append(("ours_map", False, Ours(bench, cell, False, slot_map=True)))
+                    if args.sized:  # the per-request buffer sizes passed (each B): their read's cost
+                        impls.append(("ours_sized", False, Ours(bench, cell, False, sized=True)))
                     line = [tag]
                     for mode in args.timing:
                         for name, skip, impl in impls:
@@ -370,7 +377,7 @@ def measure_grid(args: argparse.Namespace, bench: Bench, upstream: Optional[Call
                                          "skip_io": skip, "timing": mode, **st})
                             line.append(f"{name}{'(skip-IO)' if skip else ''}[{mode}] {st['median_us']:.1f}us")
                     ok = check_ours(impls[0][2]) and all(check_ours(i) for n, _, i in impls
-                                                         if n in ("ours_reuse", "ours_map"))
+                                                         if n in ("ours_reuse", "ours_map", "ours_sized"))
                     agree = None
                     if upstream is not None:
                         try:
@@ -456,6 +463,8 @@ def find(rows: list[dict[str, Any]], impl: str, B: int, item: int, batch: int, m
 VARIANTS = (  # (impl, section title, column, ratio label): variants of ours timed on the same cells
     ("ours_reuse", "The reuse-table policy's kernel (same cell, same misses)", "ours_reuse us", "reuse / LRU"),
     ("ours_map", "Planning with the position -> slot map (same cell, same outputs)", "ours_map us", "map / hash"),
+    ("ours_sized", "Per-request buffer sizes passed, each B (same cell, same outputs)", "ours_sized us",
+     "sized / plain"),
 )
 
 
@@ -625,6 +634,8 @@ def main() -> int:
     parser.add_argument("--no-map", dest="slot_map", action="store_false",
                         help="leave out ours_map (planning with the position -> slot map) from the grid and the "
                              "stage clock")
+    parser.add_argument("--sized", action="store_true",
+                        help="add ours_sized (the per-request buffer sizes passed, each B) to the grid")
     parser.add_argument("--timing", nargs="+", choices=("graph", "eager"), default=["graph", "eager"],
                         help="timing modes, the first is the one the tables and targets use (see Bench.time_call)")
     parser.add_argument("--stage-clock", nargs="?", const="once", choices=("once", "twice"), default=None,
