@@ -141,8 +141,7 @@ class C4Coordinator:
         return self.report.idle_report()
 
     def _entries(self, req, tokens: int) -> torch.Tensor:
-        """Compressed ids (int64) of the entries a request's first ``tokens`` tokens complete
-        (no wait for the device: :func:`prefix_entry_ids`)."""
+        """Compressed ids (int64) of the entries its first ``tokens`` tokens complete (no host wait)."""
         return prefix_entry_ids(self.req_to_token_pool.req_to_token[req.req_pool_idx], tokens)
 
     # --- into decode -------------------------------------------------------------------------

@@ -379,7 +379,8 @@ def _check_slot_map(slot_map: torch.Tensor, table_rows: int, max_context: int, d
 def _check_buffer_sizes(buffer_sizes: torch.Tensor, table_rows: int, device: torch.device) -> None:
     """The checks of the per-request buffer sizes (the kernel's): a contiguous int32 vector with an
     entry per table row, on the tables' device. Its values are not read here (no sync): the kernel
-    counts an error for a size outside [0, B]."""
+    reads them at every launch (a captured graph sees the current sizes) and counts an error for a
+    size outside [0, B]."""
     _check(buffer_sizes.dim() == 1 and buffer_sizes.dtype == torch.int32 and buffer_sizes.device == device
            and buffer_sizes.shape[0] >= table_rows and (buffer_sizes.shape[0] <= 1 or buffer_sizes.stride(0) == 1),
            f"buffer_sizes must be a contiguous int32 [>= {table_rows}] tensor on {device}, got {buffer_sizes.dtype} "
@@ -566,8 +567,6 @@ def resolve_cuda(
     Side effects (all on the current stream, asynchronous): writes ``out[:num_real]``, the victims'
     ``slot_tokens`` (and, with ``slot_map``, the misses' map entries), the ``lru`` rows of long requests, miss rows of ``device_kv`` (unless
     ``skip_io``), ``plan`` and ``counters`` when given. Rows ``>= num_real_reqs`` are untouched.
-    ``buffer_sizes`` (int32 [table rows], optional) is read by the kernel at every launch (a
-    captured graph sees its current contents), as the residency tables are.
     Resident requests (``resident[r] != 0``, residency tables given) write only their ``out`` row
     (and a plan count of 0); the three tables are only read, so their contents (not their
     addresses) may change between replays of a captured graph. The first call with a set of buffers

@@ -149,14 +149,10 @@ def resolve_reference(
         compress_ratio: tokens per position (1: DSA; 4: DeepSeek-V4's C4 entries; module docstring).
         buffer_sizes: int32 [max_reqs] slots each request uses (module docstring); None: B.
     """
-    residency = residency_tables(resident, req_to_token, logical_to_device)
     host_kv, device_kv = row_view(host_kv), row_view(device_kv)
-    policy = policy_tables(slot_history, reuse_levels)
-    levels = None if policy is None else reuse_levels.to("cpu")
-    check_compress_ratio(compress_ratio)
-    sizes = None if buffer_sizes is None else checked_buffer_sizes(buffer_sizes, device_buffer_size)
-    layer = _Layer(hot_locs, slot_tokens, lru, host_locs, device_buffer_size, residency, slot_history, levels,
-                   slot_map, compress_ratio, sizes)
+    layer = _Layer.checked(hot_locs, slot_tokens, lru, host_locs, device_buffer_size,
+                           residency_tables(resident, req_to_token, logical_to_device), slot_history, reuse_levels,
+                           slot_map, compress_ratio, buffer_sizes)
     stats = ResolveStats()
     for i in range(real_count(num_real_reqs)):
         r, seq_len = int(req_pool_indices[i]), int(seq_lens[i])
@@ -228,6 +224,16 @@ class _Layer:
     slot_map: Optional[torch.Tensor]
     ratio: int = 1
     sizes: Optional[list[int]] = None
+
+    @classmethod
+    def checked(cls, hot_locs, slot_tokens, lru, host_locs, B: int, residency, slot_history, reuse_levels, slot_map,
+                ratio: int, buffer_sizes) -> "_Layer":
+        """The layer of :func:`resolve_reference`'s keywords, after their checks (ValueError)."""
+        policy = policy_tables(slot_history, reuse_levels)
+        levels = None if policy is None else reuse_levels.to("cpu")
+        check_compress_ratio(ratio)
+        sizes = None if buffer_sizes is None else checked_buffer_sizes(buffer_sizes, B)
+        return cls(hot_locs, slot_tokens, lru, host_locs, B, residency, slot_history, levels, slot_map, ratio, sizes)
 
     def size_of(self, r: int) -> int:
         """The slots request slot ``r`` uses."""
