@@ -100,6 +100,13 @@ class HiSparseConfig:
     the context: ``2 x layers x max_running_requests x context`` bytes of device memory, logged at
     start-up) instead of hashing each step's selections: the CUDA kernel then looks each selected
     position up once (docs/kernel.md, "Position -> slot map"). Same outputs either way."""
+    max_device_buffer_size: int = 0
+    """Elastic hot buffers (issue 44; docs/performance.md): 0 (off) or the largest size a hot
+    buffer may grow to, >= ``device_buffer_size`` (the size every buffer opens at, and what
+    admission counts). With residency on, free rows beyond the watermark and one more hot buffer
+    grow the buffers of long hot-buffer requests (equal shares, whole pages); pressure shrinks them
+    back before it demotes or retracts anything, so no fewer requests are held. The resolver's
+    tables are this wide. Not with speculative decoding or DeepSeek-V4 (refused)."""
     query_rows: int = dataclasses.field(default=1, metadata={"derived": True})
     """Query rows per request in a decode step: 1, or with linear speculative decoding the verify
     window, ``--speculative-num-draft-tokens`` (draft steps + 1). Set from the server's
@@ -268,6 +275,7 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], quer
             f"must be a multiple of 32 in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
         )
 
+    residency = _require_bool(raw, "residency", query_rows == 1 and residency_default)
     return HiSparseConfig(
         top_k=top_k,
         device_buffer_size=device_buffer_size,
@@ -278,13 +286,28 @@ def _parse_cached(raw_json: Optional[str], model_index_topk: Optional[int], quer
         stats_log_interval=_stats_interval(raw),
         wait_for_staging=_require_bool(raw, "wait_for_staging", False),
         indexshare_prefetch=_require_bool(raw, "indexshare_prefetch", True),
-        residency=_require_bool(raw, "residency", query_rows == 1 and residency_default),
+        residency=residency,
         residency_watermark=_watermark(raw),
         promotion_interval=_promotion_interval(raw),
         replacement=_require_choice(raw, "replacement", "lru", REPLACEMENT_CHOICES),
         slot_map=_require_bool(raw, "slot_map", False),
+        max_device_buffer_size=_max_buffer_size(raw, device_buffer_size, query_rows, residency),
         query_rows=query_rows,
     )
+
+
+def _max_buffer_size(raw: Mapping[str, Any], device_buffer_size: int, query_rows: int, residency: bool) -> int:
+    value = _require_int(raw, "max_device_buffer_size", 0)
+    if value and not device_buffer_size <= value <= MAX_DEVICE_BUFFER_SIZE:
+        raise _fail("max_device_buffer_size", value,
+                    f"must be 0 (off) or in [device_buffer_size={device_buffer_size}, {MAX_DEVICE_BUFFER_SIZE}]")
+    if value and query_rows > 1:
+        raise _fail("max_device_buffer_size", value, "must be 0 with speculative decoding (elastic hot buffers "
+                    "are for one-token decode steps)")
+    if value and not residency:
+        raise _fail("max_device_buffer_size", value, "needs residency on (pressure shrinks grown buffers where it "
+                    "demotes resident requests)")
+    return value
 
 
 def _watermark(raw: Mapping[str, Any]) -> float:

@@ -80,6 +80,7 @@ class Rig:
         replacement: str = "lru",
         query_rows: int = 1,
         slot_map: bool = False,
+        max_device_buffer_size: int = 0,
         device: str = "cpu",
         debug: bool = True,
     ):
@@ -104,6 +105,7 @@ class Rig:
             residency=residency, residency_watermark=residency_watermark, promotion_interval=promotion_interval,
             indexshare_prefetch=indexshare_prefetch,
             replacement=replacement, query_rows=query_rows, slot_map=slot_map,
+            max_device_buffer_size=max_device_buffer_size,
         )
         self.coord = HiSparseCoordinator(
             self.req_to_token_pool, self.allocator, top_k, device_buffer_size, device, group,

@@ -50,6 +50,7 @@ def test_all_keys_round_trip():
         "promotion_interval": 8,
         "replacement": "reuse",
         "slot_map": True,
+        "max_device_buffer_size": 384,
     }
     cfg = parse_hisparse_config(json.dumps(raw))
     assert cfg.to_json_dict() == {**raw, "query_rows": 1}  # query_rows: derived, not a key

@@ -88,7 +88,7 @@ def assert_tables_reset(rig: Rig) -> None:
     hot = rig.coord.hot
     free = torch.tensor([not hot.holds(i) for i in range(len(hot.capacity))])
     assert hot.slot_positions[:, free].eq(-1).all()
-    assert torch.equal(hot.recency[:, free], torch.arange(rig.B, dtype=torch.int16).expand_as(hot.recency[:, free]))
+    assert torch.equal(hot.recency[:, free], torch.arange(hot.buffer_size, dtype=torch.int16).expand_as(hot.recency[:, free]))
     if hot.history is not None:
         assert hot.history[:, free].eq(0).all()
 

@@ -37,6 +37,7 @@ from typing import Any, List, Optional
 import torch
 
 from sglang_hisparse.config import HiSparseConfig
+from sglang_hisparse.decode.elastic import ELASTIC_INTERVAL, ElasticBuffers
 from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import RequestLifecycle
 from sglang_hisparse.decode.prefetch import model_topk_sources
@@ -45,6 +46,7 @@ from sglang_hisparse.decode.promotion import Promotion
 from sglang_hisparse.decode.startup import (build_memory, build_resolver, build_stats, published_config,
                                             residency_label, reuse_levels_for)
 from sglang_hisparse.decode.steps import DecodeSteps
+from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.admission import capacity_line
 from sglang_hisparse.memory.copy_lane import order_current_after
 from sglang_hisparse.memory.residency import Residency
@@ -106,7 +108,7 @@ class HiSparseCoordinator:
         self.stats = build_stats(config, device=device, allocator=self.allocator, device_pool=self.device_pool,
                                  mirror=self.mirror)
         resolver = build_resolver(config, device=device, max_reqs=max_reqs, top_k=top_k,
-                                  row_bytes=self.device_pool.row_bytes, buffer_size=device_buffer_size)
+                                  row_bytes=self.device_pool.row_bytes, buffer_size=self.hot.buffer_size)
         selections = torch.full((max_reqs, top_k), -1, dtype=torch.int32, device=device)
         self._resident_decode = self._build_residency(max_reqs, device, selections) if config.residency else None
         self._layers = self._bind_layers(resolver, max_reqs, top_k, device, selections, topk_sources)
@@ -126,6 +128,10 @@ class HiSparseCoordinator:
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
         driver.promotion = Promotion.for_driver(driver, self.device_pool, self.config.promotion_interval)
+        if self.config.max_device_buffer_size:
+            driver.elastic = ElasticBuffers(
+                self.hot, self.allocator, self.mirror, reserve_rows=driver.residency.policy.watermark_rows + self.hot.padded,
+                quiesce=self._wait_for_producer, interval=self.config.promotion_interval or ELASTIC_INTERVAL)
         self.stats.residency = driver.residency
         return driver
 
@@ -263,5 +269,9 @@ def build_c4_coordinator(req_to_token_pool, allocator, top_k: int, device_buffer
 
     if config is None:
         config = published_config((top_k, device_buffer_size, host_to_device_ratio, swap_in_block_size))
+    if config.max_device_buffer_size:
+        raise HiSparsePluginError(
+            f"sglang-hisparse: --hisparse-config max_device_buffer_size={config.max_device_buffer_size} is not "
+            "supported with DeepSeek-V4 (its C4 hot buffers have one size): leave it 0")
     return C4Coordinator(req_to_token_pool, allocator, top_k, device_buffer_size, device, tp_group,
                          host_to_device_ratio, swap_in_block_size, config=config, pin_memory=pin_memory)

@@ -60,7 +60,8 @@ class LayerResolve:
                         **ratio,
                         device_buffer_size=hot.buffer_size, skip_io=skip_io, counters=counters,
                         **self._policy_tables(hot, layer, reuse_levels),
-                        **({} if hot.slot_map is None else dict(slot_map=hot.slot_map[layer])))
+                        **({} if hot.slot_map is None else dict(slot_map=hot.slot_map[layer])),
+                        **(dict(buffer_sizes=hot.sizes.device) if hot.sizes.elastic else {}))
 
         self._layers = [resolver.bind(
             plan=self.prefetch.plan_for(layer) if self.prefetch is not None else None, **residency_tables,

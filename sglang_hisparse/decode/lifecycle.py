@@ -144,13 +144,13 @@ class RequestLifecycle:
         rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
         resident = rows is not None
         if rows is None:
-            rows = self.hot.open(idx, logical, filled=n <= self.hot.buffer_size, mapped=False)
+            rows = self.hot.open(idx, logical, filled=n <= self.hot.open_size, mapped=False)
             if rows is None:
                 raise HiSparsePluginError(
                     f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
                     f"({self.allocator.debug_print()}); the PD admission budget should prevent this"
                 )
-            rows = rows[:n] if n <= self.hot.buffer_size else None
+            rows = rows[:n] if n <= self.hot.open_size else None
         if rows is not None:
             self.mirror.pool.load_rows(self.device_pool, self.mirror.row_table[idx, :n], rows)
         self.mirror.mark_complete(idx, n)

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from sglang_hisparse.decode.elastic import ElasticBuffers
 from sglang_hisparse.decode.promotion import Promotion
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.host_mirror import DEFERRED_FLUSH_STEPS
@@ -38,6 +39,8 @@ class PressureRelief:
     ``demote(idx)``; the rows a step takes are the driver's own count, passed as ``taken``."""
 
     residency: Residency
+    elastic: Optional[ElasticBuffers] = None
+    """Grown hot buffers, given back before any demotion (DSA with ``max_device_buffer_size``)."""
 
     def demote(self, idx: int) -> None:
         raise NotImplementedError
@@ -66,7 +69,8 @@ class PressureRelief:
         short = taken - self._free_rows()
         if short <= 0:
             return 0
-        return max(0, short - self.residency.relief(at_page_start))
+        lent = self.elastic.lent_rows() if self.elastic is not None else 0
+        return max(0, short - lent - self.residency.relief(at_page_start))
 
     def relieve_for(self, at_page_start: list[tuple[int, int]], taken: Callable[[], int]) -> bool:
         """Demote (policy order) until the step's new rows (``taken()``, counted again after each
@@ -74,6 +78,8 @@ class PressureRelief:
         demotion removes a page need. True when it demoted."""
         residency = self.residency
         demotions = residency.demotions_total
+        if self.elastic is not None:  # grown buffers first: shrinking holds every request
+            self.elastic.give_back(taken() + residency.policy.watermark_rows)
         while (residency.reclaimable_rows() and
                self._free_rows() - taken() < residency.policy.watermark_rows and self.demote_one()):
             pass
@@ -115,8 +121,12 @@ class ResidentDecode(PressureRelief):
         policy = ResidencyPolicy(math.ceil(config.residency_watermark * allocator.device_size), hot.padded)
         residency = Residency(allocator, hot, max_reqs=max_reqs, device=device, policy=policy)
         driver = cls(residency, hot=hot, mirror=mirror, allocator=allocator, **kwargs)
-        allocator.set_reclaimer(driver.reclaim, residency.reclaimable_rows)
+        allocator.set_reclaimer(driver.reclaim, driver.reclaimable_rows)
         return driver
+
+    def reclaimable_rows(self) -> int:
+        """Rows a prefill can have on demand: resident requests' and grown hot buffers' above their opening size."""
+        return self.residency.reclaimable_rows() + (self.elastic.lent_rows() if self.elastic is not None else 0)
 
     def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], bool]) -> bool:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
@@ -244,8 +254,10 @@ class ResidentDecode(PressureRelief):
         return torch.where(self.residency.flags[req_pool_indices].bool(), own, rows)
 
     def reclaim(self, rows: int) -> None:
-        """Demote resident requests (policy order) until ``rows`` device rows are free or none is
-        left whose demotion frees rows."""
+        """Shrink grown hot buffers, then demote resident requests (policy order), until ``rows``
+        device rows are free or nothing is left that frees rows."""
+        if self.elastic is not None:
+            self.elastic.give_back(rows)
         while self.allocator.rows.room() < rows and self.demote_one():
             pass
 

@@ -54,7 +54,7 @@ def build_memory(config: HiSparseConfig, allocator, device_pool, req_to_token_po
     map_columns = mirror.row_table.shape[1] if config.slot_map else 0
     hot = HotBuffers(allocator, layers=device_pool.layer_num, max_reqs=max_reqs, buffer_size=buffer_size,
                      device=device, history=config.replacement == "reuse", window=config.query_rows,
-                     map_columns=map_columns)
+                     map_columns=map_columns, max_buffer_size=config.max_device_buffer_size)
     if hot.slot_map is not None:
         logger.info("sglang-hisparse: position -> slot map: %d layers x %d requests x %d positions, %.1f MiB "
                     "of device memory", *hot.slot_map.shape, hot.slot_map.numel() * hot.slot_map.element_size() / 2**20)

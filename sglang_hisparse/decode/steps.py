@@ -54,6 +54,8 @@ class DecodeSteps:
         driver = self.resident
         if driver is not None:
             driver.promotion.maybe_promote(idxs, lens)
+            if driver.elastic is not None:
+                driver.elastic.maybe_grow(idxs, lens, ~driver.residency.mask(idxs.numpy()))
             driver.flush_deferred(idxs, lens)
             if driver.resident_step(idxs.tolist(), lens.tolist(), idxs, lens):
                 return
@@ -64,7 +66,8 @@ class DecodeSteps:
                                       driver.residency.mask(idxs))
         # after the newest rows (growth and demotions change no pending position's row): a long
         # hot buffer's previous token sits in the newest slot, whose row the step's token takes
-        self.mirror.write_through_step(idxs, lens, self.rows_now, buffer_size=self.hot.buffer_size, newest_rows=rows)
+        sizes = self.hot.sizes.host if self.hot.sizes.elastic else self.hot.buffer_size
+        self.mirror.write_through_step(idxs, lens, self.rows_now, buffer_size=sizes, newest_rows=rows)
         self.allocator.map_logical(out_cache_loc, rows)
 
     def map_verify_step(self, req_pool_indices: torch.Tensor, req_pool_indices_cpu: list[int],

@@ -56,7 +56,7 @@ def capacity_of(allocator, hot, host_pool) -> Capacity:
     return Capacity(
         device_rows=allocator.device_size, hot_buffer_rows=hot.padded, page_size=allocator.page_size,
         logical_ids=allocator.logical_size, host_rows=host_pool.capacity_tokens,
-        device_buffer_size=hot.buffer_size, host_row_bytes=host_pool.get_size_per_token(),
+        device_buffer_size=hot.open_size, host_row_bytes=host_pool.get_size_per_token(),
     )
 
 

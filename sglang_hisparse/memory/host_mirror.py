@@ -33,7 +33,7 @@ copy that reads a request's rows is ordered before the rows are freed or overwri
 
 from __future__ import annotations
 
-from typing import Any, Callable, Deque, Optional, Sequence
+from typing import Any, Callable, Deque, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -176,7 +176,7 @@ class HostMirror:
         seq_lens: torch.Tensor,
         device_rows_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         *,
-        buffer_size: int,
+        buffer_size: Union[int, np.ndarray],
         newest_rows: Optional[torch.Tensor] = None,
     ) -> None:
         """The write-through of a one-token decode step at ``seq_lens`` (int64 CPU tensors).
@@ -188,12 +188,15 @@ class HostMirror:
         a newest slot. ``newest_rows`` (optional, int64 on the device, batch order), the rows the
         step's tokens take, are the rows copied when every due request has only its previous token
         pending, in its newest slot (the steady state): ``device_rows_of`` is then not called.
-        Side effects: host rows for the copied positions; at most one copy on the write-through
-        lane, after the current and producer streams.
+        ``buffer_size``: the hot buffers' size B, or each request slot's (int64 numpy [max_reqs],
+        per-request sizes). Side effects: host rows for the copied positions; at most one copy on
+        the write-through lane, after the current and producer streams.
         """
         idx, end, at = due_requests(req_pool_idxs.numpy(), seq_lens.numpy() - 1, self._flush_at)
         if idx.size == 0:
             return
+        if isinstance(buffer_size, np.ndarray):
+            buffer_size = buffer_size[idx]
         if newest_rows is not None and in_newest_slots(self._mirrored[idx], end, buffer_size):
             device_rows_of = _newest_rows_reader(newest_rows, at)
         self._copy(idx, end, device_rows_of, urgent=overwrites_newest_slot(end, buffer_size))

@@ -10,19 +10,9 @@ request slot this table owns (preallocated, fixed addresses for CUDA graphs):
 * ``slot_rows`` (int32 [max_reqs, padded]): the device row of each slot;
 * ``capacity`` (host ints): slots with a row so far (``capacity <= padded``; a buffer takes its
   next page from the free rows when its newest slot reaches it);
-* ``slot_positions`` (int32 [layers, max_reqs, B]): the position each slot holds in each layer,
-  -1 for none (written by the resolver, reset here);
-* ``recency`` (int16 [layers, max_reqs, B]): each layer's slots, least recently used first
-  (written by the resolver, reset here);
-* ``history`` (int16 [layers, max_reqs, B], only with ``replacement: "reuse"``, else None): each
-  layer's packed per-slot age and selection count (``replacement/reuse.py``; written by the
-  resolver, zeroed here wherever ``recency`` is reset);
-* ``slot_map`` (int16 [layers, max_reqs, map_columns], only with ``slot_map: true``, else None):
-  each layer's position -> slot map, a hint the kernel validates against ``slot_positions``
-  (resolver/reference.py). Invariant: ``slot_positions[l, r, s] == p >= 0`` implies
-  ``slot_map[l, r, p] == s``. Written here where slots are filled (``open`` with ``filled``,
-  ``open_with_rows``) and by the resolver for each miss; never cleared (``close`` leaves stale
-  entries, which no slot table confirms);
+* the per-layer slot tables ``slot_positions``, ``recency``, ``history`` and ``slot_map``
+  (:class:`~sglang_hisparse.memory.slot_tables.SlotTables`, ``tables``; written by the resolver,
+  set here where a buffer opens, closes or empties slots);
 * ``window_start`` (int64 [max_reqs], only for N > 1): the first position of each request's
   current window (positions ``>= B`` of the previous window are read from there by the next
   step's write-through).
@@ -31,6 +21,13 @@ With N > 1 a window may hold rejected draft tokens. Slots ``< B`` still only eve
 of their own position when read: a position ``p < B`` written in a window and rejected lies at
 or after the next window's start (which is the committed length), so that window rewrites slot
 ``p`` before anything reads it.
+
+Per-request sizes (``max_buffer_size`` > ``buffer_size``, issue 44's elastic buffers): the tables
+are ``max_buffer_size`` wide and each request uses ``S`` of the slots below the window
+(:class:`~sglang_hisparse.memory.buffer_sizes.BufferSizes`, ``sizes``): a buffer opens at
+``buffer_size`` and :meth:`HotBuffers.resize` grows or shrinks it; ``capacity`` counts its
+*virtual* slots there. ``B`` below is then the request's S wherever it says which positions sit
+in slot ``p``, and the table width where it names the window.
 
 A buffer starts either as the request's own first positions (slot ``p`` holds position ``p``:
 the staging path keeps the prefill's first pages) or empty (PD: a long request's first
@@ -48,31 +45,38 @@ import torch
 
 from sglang_hisparse.errors import HiSparsePluginError
 from sglang_hisparse.memory.admission import hot_buffer_rows
+from sglang_hisparse.memory.buffer_sizes import BufferSizes
+from sglang_hisparse.memory.slot_tables import SlotTables
 
 
 class HotBuffers:
     def __init__(self, allocator, *, layers: int, max_reqs: int, buffer_size: int, device: torch.device,
-                 history: bool = False, window: int = 1, map_columns: int = 0):
+                 history: bool = False, window: int = 1, map_columns: int = 0, max_buffer_size: int = 0):
         """``map_columns`` > 0: keep the position -> slot map with that many positions per row (the
-        host row table's columns); 0: none."""
+        host row table's columns); 0: none. ``max_buffer_size`` > ``buffer_size``: per-request
+        sizes up to it (one-token steps only); 0: every buffer ``buffer_size``."""
         page = allocator.page_size
         self.allocator = allocator
-        self.buffer_size = B = buffer_size
+        self.buffer_size = B = max(buffer_size, max_buffer_size)
+        """The table width: the resolver's B (``buffer_size`` without per-request sizes)."""
+        self.open_size = buffer_size
+        """Slots below the window a buffer opens with (``device_buffer_size``)."""
+        assert window == 1 or B == buffer_size, "per-request buffer sizes are for one-token steps"
+        if B > buffer_size and (buffer_size % page or B % page):
+            raise HiSparsePluginError(
+                f"sglang-hisparse: device_buffer_size={buffer_size} and max_device_buffer_size={B} must be "
+                f"multiples of the page size ({page}) for per-request buffer sizes")
+        self.sizes = BufferSizes(max_reqs=max_reqs, open_size=buffer_size, table_size=B, device=device)
         self.window = window
         self.page_size = page
-        self.padded = hot_buffer_rows(B, window, page)
-        self.slot_rows = torch.zeros((max_reqs, self.padded), dtype=torch.int32, device=device)
+        self.padded = hot_buffer_rows(buffer_size, window, page)
+        """Rows a buffer holds at its opening size, window included (what admission counts)."""
+        self.slot_rows = torch.zeros((max_reqs, hot_buffer_rows(B, window, page)), dtype=torch.int32, device=device)
         self.capacity = [0] * max_reqs
-        self.slot_positions = torch.full((layers, max_reqs, B), -1, dtype=torch.int32, device=device)
-        self.recency = torch.empty((layers, max_reqs, B), dtype=torch.int16, device=device)
-        self._slot_numbers = torch.arange(B, dtype=torch.int32, device=device)
-        self.recency.copy_(self._slot_numbers.to(torch.int16).expand_as(self.recency))
-        self.history: Optional[torch.Tensor] = (
-            torch.zeros((layers, max_reqs, B), dtype=torch.int16, device=device) if history else None)
-        self.slot_map: Optional[torch.Tensor] = (
-            torch.full((layers, max_reqs, map_columns), -1, dtype=torch.int16, device=device) if map_columns > 0
-            else None)
-        self._map_prefix = min(B, map_columns)  # positions 0 .. B-1 a filled buffer holds, within the map
+        self.tables = SlotTables(layers=layers, max_reqs=max_reqs, width=B, device=device, history=history,
+                                 map_columns=map_columns)
+        t = self.tables  # the resolver's names for them
+        self.slot_positions, self.recency, self.history, self.slot_map = t.positions, t.recency, t.history, t.slot_map
         self.window_start: Optional[torch.Tensor] = (
             torch.zeros(max_reqs, dtype=torch.int64, device=device) if window > 1 else None)
         self._window_offsets = torch.arange(window, dtype=torch.int64, device=device)
@@ -97,12 +101,13 @@ class HotBuffers:
         rows = self.allocator.take_hot_buffer(logical_ids, keep, mapped=mapped)
         if rows is None:
             return None
-        self.slot_rows[idx, :keep] = rows.to(torch.int32)
+        self.sizes.set(idx, self.open_size)
+        self.sizes.place(self.slot_rows, idx, 0, rows)
         self.capacity[idx] = keep
-        self.slot_positions[:, idx] = self._slot_numbers if filled else -1
-        if filled and self.slot_map is not None:
-            self.slot_map[:, idx, : self._map_prefix] = self._slot_numbers[: self._map_prefix].to(torch.int16)
-        self._reset_order(idx)
+        if filled:
+            self.tables.fill(idx)
+        else:
+            self.tables.empty(idx)
         if self.window_start is not None:
             self.window_start[idx] = logical_ids.numel()
         return rows
@@ -114,31 +119,22 @@ class HotBuffers:
         position ``p``). If it never gets a row, :meth:`close` has nothing to give back and leaves
         these tables as they are; every way of opening a buffer sets them again."""
         self.capacity[idx] = 0
-        self.slot_positions[:, idx] = self._slot_numbers
-        if self.slot_map is not None:
-            self.slot_map[:, idx, : self._map_prefix] = self._slot_numbers[: self._map_prefix].to(torch.int16)
-        self._reset_order(idx)
+        self.sizes.set(idx, self.open_size)
+        self.tables.fill(idx)
 
     def open_with_rows(self, idx: int, rows: torch.Tensor, positions: torch.Tensor) -> None:
         """Give request slot ``idx`` a full hot buffer of the given ``padded`` rows (a demoted
-        resident request's own pages): slot ``s`` is ``rows[s]`` and holds ``positions[s]``
-        (-1: none) in every layer; slots from ``B`` on are the newest-token page. Recency is the
-        slot order (the caller puts the rows most worth keeping last)."""
+        resident request's own pages), at the opening size S: slot ``s < S`` is ``rows[s]`` and
+        holds ``positions[s]`` (-1: none) in every layer; ``rows[S:]`` are the newest-token page.
+        Recency is the slot order (the caller puts the rows most worth keeping last)."""
         assert rows.numel() == self.padded == positions.numel()
-        self.slot_rows[idx] = rows.to(torch.int32)
+        S = self.open_size
+        self.sizes.set(idx, S)
+        self.sizes.place(self.slot_rows, idx, 0, rows)
         self.capacity[idx] = self.padded
-        held = positions[: self.buffer_size].to(torch.int32)
-        self.slot_positions[:, idx] = held
-        if self.slot_map is not None:
-            slots = (held >= 0).nonzero(as_tuple=True)[0]
-            self.slot_map[:, idx, held[slots].long()] = slots.to(torch.int16)
-        self._reset_order(idx)
+        self.tables.hold(idx, positions[:S].to(torch.int32))
 
     # --- growth ------------------------------------------------------------------------------
-    def _slots_for_step(self, seq_len: int) -> int:
-        """Slots a one-token step at ``seq_len`` uses: its newest position's slot ``min(seq_len - 1, B)`` and all below."""
-        return min(seq_len, self.buffer_size + 1)
-
     def _slots_for_window(self, start: int) -> int:
         """Slots a verify step writing ``start .. start + N - 1`` uses (the window rule above)."""
         N = self.window
@@ -149,7 +145,7 @@ class HotBuffers:
 
     def step_growth(self, idxs: list[int], seq_lens: list[int]) -> int:
         """Free rows a one-token step at ``seq_lens`` takes for these request slots' buffers (whole pages)."""
-        return sum(self._rows_to_add(self.capacity[idx], self._slots_for_step(n)) for idx, n in zip(idxs, seq_lens))
+        return sum(self._rows_to_add(self.capacity[idx], self.sizes.step_slots(idx, n)) for idx, n in zip(idxs, seq_lens))
 
     def window_growth(self, idxs: list[int], starts: list[int]) -> int:
         """Free rows a verify step writing from ``starts`` takes for these request slots' buffers."""
@@ -159,7 +155,7 @@ class HotBuffers:
         """Free rows the one-token step at ``seq_len`` would take for a buffer opened filled now
         with ``n`` positions (what a demoted resident request needs instead of its next page)."""
         keep = min(-(-n // self.page_size) * self.page_size, self.padded)
-        return self._rows_to_add(keep, self._slots_for_step(seq_len))
+        return self._rows_to_add(keep, min(seq_len, self.open_size + 1))
 
     def grow(self, idxs, seq_lens) -> None:
         """Before a one-token step (``idxs``, ``seq_lens``: int64 CPU tensors or numpy arrays): a
@@ -169,7 +165,7 @@ class HotBuffers:
         idxs, seq_lens = np.asarray(idxs), np.asarray(seq_lens)
         at_page_start = np.flatnonzero((seq_lens - 1) % self.page_size == 0)
         for idx, seq_len in zip(idxs[at_page_start].tolist(), seq_lens[at_page_start].tolist()):
-            self._grow_to(idx, self._slots_for_step(seq_len))
+            self._grow_to(idx, self.sizes.step_slots(idx, seq_len))
 
     def _grow_to(self, idx: int, needed: int) -> None:
         """Rows for slots ``0 .. needed - 1`` of request slot ``idx``, whole pages of free rows.
@@ -184,7 +180,7 @@ class HotBuffers:
             raise HiSparsePluginError(
                 f"sglang-hisparse: no free device rows for the next page of request slot {idx}'s hot buffer "
                 f"({add} rows; {self.allocator.debug_print()}); the decode memory check should have retracted a request")
-        self.slot_rows[idx, have : have + add] = rows.to(torch.int32)
+        self.sizes.place(self.slot_rows, idx, have, rows)
         self.capacity[idx] = have + add
 
     def newest_rows(self, idxs: torch.Tensor, seq_lens: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -207,6 +203,28 @@ class HotBuffers:
         positions = starts_t[:, None] + self._window_offsets
         return positions, self.rows_of_positions(req_pool_indices[:, None], positions)
 
+    # --- per-request sizes --------------------------------------------------------------------
+    def resize(self, idx: int, size: int) -> int:
+        """Long buffer ``idx`` (a row for every slot below its size S) uses ``size`` slots (whole
+        pages) from now on; returns the rows taken (> 0) or given back (< 0). Growing takes free
+        rows for slots ``[S, size)`` (the caller checked the room) and empties those slots in every
+        layer (a stale position must not hit); shrinking frees the rows of ``[size, S)`` (their
+        positions stay: the resolver ignores slots beyond a size). The window's rows stay. The
+        caller orders a shrink after every reader of those rows and keeps ``size`` below the
+        request's length (the fast path ``L <= S`` must not open)."""
+        S, have = self.sizes.of(idx), self.capacity[idx]
+        assert have > S and size % self.page_size == 0, f"resize of buffer {idx} ({have} rows, size {S}) to {size}"
+        if size > S:
+            rows = self.allocator.grow_hot_buffer(size - S)
+            assert rows is not None, f"no free rows to grow buffer {idx} to {size} ({self.allocator.debug_print()})"
+            self.slot_rows[idx, S:size] = rows.to(torch.int32)
+            self.tables.empty_slots(idx, S, size)
+        elif size < S:
+            self.allocator.release_hot_buffer(self.slot_rows[idx, size:S].to(torch.int64))
+        self.sizes.set(idx, size)
+        self.capacity[idx] = have + size - S
+        return size - S
+
     # --- lookups -----------------------------------------------------------------------------
     def rows_of_positions(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) now holding ``positions`` (broadcast with ``req_pool_idx``) as a
@@ -214,16 +232,10 @@ class HotBuffers:
         positions = positions.to(torch.int64)
         B = self.buffer_size
         if self.window_start is None:
-            slots = positions.clamp(max=B)
+            slots = self.sizes.newest_slots(req_pool_idx, positions)
         else:
             slots = torch.where(positions < B, positions, B + positions - self.window_start[req_pool_idx])
         return self.slot_rows[req_pool_idx, slots].to(torch.int64)
-
-    def _reset_order(self, idx: int) -> None:
-        """Request slot ``idx``'s recency back to slot order and its history (if any) to zero."""
-        self.recency[:, idx] = self._slot_numbers.to(torch.int16)
-        if self.history is not None:
-            self.history[:, idx] = 0
 
     # --- closing -----------------------------------------------------------------------------
     def close(self, idx: int) -> None:
@@ -232,9 +244,9 @@ class HotBuffers:
         request's logical ids first. A slot holding no buffer has reset tables already: nothing to do."""
         if not self.capacity[idx]:
             return
-        rows = self.slot_rows[idx, : self.capacity[idx]].to(torch.int64)
+        rows = self.sizes.rows_held(self.slot_rows, idx, 0, self.capacity[idx])
         self.allocator.release_hot_buffer(rows)
+        self.sizes.set(idx, self.open_size)
         self.slot_rows[idx].zero_()
         self.capacity[idx] = 0
-        self.slot_positions[:, idx] = -1
-        self._reset_order(idx)
+        self.tables.empty(idx)

@@ -1,0 +1,109 @@
+"""Elastic hot buffers (issue 44): long hot-buffer requests grow into rows nobody needs, and give
+them back before pressure demotes or retracts anything.
+
+Under pressure, rows are short for whole requests but often not for everyone's buffer: a pool of
+R rows serving n hot-buffer requests at B each leaves ``R - n * padded`` rows idle, which larger
+buffers turn into fewer misses (doubling B roughly halves them on the recorded traces,
+docs/policies.md). Policy (:class:`ElasticBuffers`), every ``interval`` decode steps: the rows
+free beyond the residency watermark and one more hot buffer (the next admission's) are shared
+equally among the step's long hot-buffer requests, in whole pages, each up to the largest size
+(``max_device_buffer_size``) and below its previous token's position (the resolver's fast path
+``L <= S`` must stay closed: slots added to a long buffer hold no positions yet; and the previous
+token, still pending in the window, must stay where the write-through reads it). Mechanism:
+:meth:`HotBuffers.resize <sglang_hisparse.memory.hot_buffers.HotBuffers.resize>`.
+
+Giving back (:meth:`ElasticBuffers.give_back`), called by the pressure relief before it demotes
+(``decode/pressure.py``) and by a prefill's reclaim: the largest grown buffers shrink first, a
+page at a time, never below the opening size, so no fewer requests are held than without
+elastic buffers. Ordering of a shrink: the current stream after the forward in flight
+(``quiesce``: it may read those rows) and after every write-through copy (which may read them),
+then the rows go back to the free list.
+
+Owns: the steps left until the next growth check. The sizes are the hot buffers'
+(``hot.sizes``; a buffer that closes is back at the opening size), the rows the allocator's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+ELASTIC_INTERVAL = 32
+"""Decode steps between growth checks when ``promotion_interval`` is 0 (else that interval)."""
+
+
+class ElasticBuffers:
+    def __init__(self, hot, allocator, mirror, *, reserve_rows: int, quiesce: Callable[[], None], interval: int):
+        """``reserve_rows``: rows growth leaves free (the residency watermark and one hot buffer).
+        ``interval``: decode steps between two growth checks (> 0)."""
+        self.hot, self.allocator, self.mirror = hot, allocator, mirror
+        self.reserve_rows, self.quiesce, self.interval = reserve_rows, quiesce, max(1, interval)
+        self._steps_left = self.interval
+
+    def grown(self) -> dict[int, int]:
+        """Request slot -> size of every open buffer above the opening size. Reads only."""
+        hot = self.hot
+        above = np.flatnonzero(hot.sizes.host > hot.open_size).tolist()
+        return {idx: hot.sizes.of(idx) for idx in above if hot.holds(idx)}
+
+    def lent_rows(self) -> int:
+        """Rows the grown buffers hold above the opening size (what :meth:`give_back` can free)."""
+        return sum(size - self.hot.open_size for size in self.grown().values())
+
+    def maybe_grow(self, idxs: torch.Tensor, lens: torch.Tensor, hot_mask: np.ndarray) -> int:
+        """Before a one-token step (``idxs``, ``lens``: its int64 CPU tensors, lengths counting the
+        new token; ``hot_mask``: which requests decode from a hot buffer): every :attr:`interval`
+        steps, grow the long hot buffers into the spare rows (module docstring). Returns the rows
+        taken. Host work between checks: one integer decrement."""
+        self._steps_left -= 1
+        if self._steps_left > 0:
+            return 0
+        self._steps_left = self.interval
+        hot, page = self.hot, self.hot.page_size
+        spare = self.allocator.rows.room() - self.reserve_rows
+        at = np.flatnonzero(hot_mask)
+        if spare < page or at.size == 0:
+            return 0
+        idx_np, len_np = idxs.numpy()[at], lens.numpy()[at]
+        # the most each may take: the table width, and no slot for the previous token's position
+        # (len - 2: still pending in the window for this step's write-through) or the newest's
+        # (the fast path L <= S stays closed), whole pages
+        limits = np.minimum((len_np - 2) // page * page, hot.buffer_size)
+        sizes = hot.sizes.host[idx_np]
+        room = np.where([hot.capacity[int(i)] > hot.sizes.of(int(i)) for i in idx_np], limits - sizes, 0)
+        room = np.maximum(room, 0)
+        if not room.any():
+            return 0
+        share = max(page, spare // int((room > 0).sum()) // page * page)
+        taken = 0
+        for idx, size, extra in zip(idx_np.tolist(), sizes.tolist(), np.minimum(room, share).tolist()):
+            extra = min(extra, (spare - taken) // page * page)
+            if extra <= 0:
+                continue
+            taken += self.hot.resize(idx, size + extra)
+        if taken:
+            logger.debug("sglang-hisparse: elastic hot buffers took %d rows (%s)", taken, self.allocator.debug_print())
+        return taken
+
+    def give_back(self, rows: int) -> int:
+        """Shrink grown buffers (largest first, a page at a time, down to the opening size) until
+        ``rows`` device rows are free or none is grown. Returns the rows freed."""
+        grown = self.grown()
+        if not grown or self.allocator.rows.room() >= rows:
+            return 0
+        self.quiesce()
+        self.mirror.order_after_writes()
+        freed, page, floor = 0, self.hot.page_size, self.hot.open_size
+        while grown and self.allocator.rows.room() < rows:
+            idx = max(grown, key=grown.get)
+            size = grown.pop(idx)
+            cut = min(size - floor, -(-(rows - self.allocator.rows.room()) // page) * page)
+            freed -= self.hot.resize(idx, size - cut)
+            if size - cut > floor:
+                grown[idx] = size - cut
+        return freed

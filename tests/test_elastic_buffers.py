@@ -1,0 +1,121 @@
+"""Elastic hot buffers (``max_device_buffer_size``, issue 44) on CPU with real SGLang objects
+(tests/rig.py): a long hot-buffer request grows into spare rows and stays exact, gives them back
+before a prefill that needs them demotes or is refused anything, and random lifecycles with
+growth and shrinking leak nothing."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rig import PAGE, Rig, Request
+from tier import examples
+from test_coordinator_lifecycle import run_random_lifecycle
+from test_residency import decode
+
+from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
+
+
+def long_hot_request(rig: Rig) -> Request:
+    """A 14-page request entered resident, then demoted by hand to a hot buffer (its opening size)."""
+    req = Request(uid=1, prompt_len=14 * PAGE)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    rig.coord._resident_decode.demote(req.req_pool_idx)
+    assert rig.coord.hot.holds(req.req_pool_idx) and rig.coord.hot.sizes.of(req.req_pool_idx) == rig.B
+    return req
+
+
+def test_a_long_hot_buffer_grows_into_spare_rows_then_gives_them_back_to_a_prefill(gloo_world):
+    """16 pages: after the demotion the request cannot be promoted (its 15 pages and one more hot
+    buffer do not fit) but its buffer grows from 2 pages to the largest size (6) at the next check,
+    every selection still checked against the true KV. A 12-page prefill then needs more than the
+    free rows: grown rows come back first, only the 3 pages it lacks (the buffer keeps 3 of its 6),
+    both decode exact, and everything comes back at the end."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True, residency_watermark=0.0, promotion_interval=1,
+              max_device_buffer_size=6 * PAGE)
+    hot, rng = rig.coord.hot, random.Random(5)
+    req = long_hot_request(rig)
+    idx = req.req_pool_idx
+    free_before = rig.allocator.rows.room()
+    decode(rig, [req], rng, steps=2)
+    assert hot.sizes.of(idx) == 6 * PAGE and rig.allocator.rows.room() == free_before - 4 * PAGE
+    assert int(hot.sizes.device[idx]) == 6 * PAGE, "the resolver reads the grown size"
+    assert rig.coord.residency.promotions_total == 0
+    decode(rig, [req], rng, steps=40, overlap=0.9)
+    other = Request(uid=2, prompt_len=12 * PAGE)
+    assert rig.allocator.rows.room() < other.prompt_len
+    assert rig.prefill(other), "the grown rows are given back before the prefill is refused"
+    assert hot.sizes.of(idx) == 3 * PAGE and int(hot.sizes.device[idx]) == 3 * PAGE
+    rig.stage(other)
+    rig.collect()
+    decode(rig, [req, other], rng, steps=20)
+    for r in (req, other):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+    assert hot.sizes.host.tolist() == [rig.B] * len(hot.capacity)
+
+
+def test_growth_keeps_the_watermark_and_one_hot_buffer_free_and_off_by_default(gloo_world):
+    """With only one more hot buffer free beyond the watermark nothing grows; without
+    ``max_device_buffer_size`` the sizes never change and the resolver gets no size table."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True, residency_watermark=0.0, promotion_interval=1,
+              max_device_buffer_size=6 * PAGE)
+    req = long_hot_request(rig)
+    taken = rig.allocator.rows.pages.alloc_pages(rig.allocator.rows.room() // PAGE - 3)  # 3 pages left: one buffer
+    decode(rig, [req], random.Random(6), steps=3)
+    assert rig.coord.hot.sizes.of(req.req_pool_idx) == rig.B
+    rig.allocator.rows.pages.free_pages_(taken)
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
+    plain = Rig(gloo_world, device_rows=PAGE * 24, residency=True)
+    assert not plain.coord.hot.sizes.elastic and plain.coord.hot.buffer_size == plain.B
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"device_buffer_size": 128, "max_device_buffer_size": 64}, "in \\[device_buffer_size=128"),
+    ({"device_buffer_size": 128, "max_device_buffer_size": 256, "residency": False}, "needs residency"),
+])
+def test_bad_elastic_settings_are_refused_naming_the_key(raw, message):
+    with pytest.raises(HiSparseConfigError, match="max_device_buffer_size.*" + message):
+        parse_hisparse_config(json.dumps(raw), model_index_topk=32)
+
+
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31), overlap=st.floats(0.0, 1.0), watermark=st.sampled_from([0.0, 0.05]),
+       promotion_interval=st.sampled_from([1, 4]))
+def test_random_lifecycles_with_elastic_buffers_stay_exact_and_leak_nothing(gloo_world, seed, overlap, watermark,
+                                                                           promotion_interval):
+    rig = Rig(gloo_world, device_rows=PAGE * 30, max_reqs=10, top_k=24, residency=True, residency_watermark=watermark,
+              promotion_interval=promotion_interval, max_device_buffer_size=5 * PAGE)
+    run_random_lifecycle(rig, random.Random(seed), overlap, lengths=[10, 64, 100, 129, 200, 350, 600, 900],
+                         finish_after=1000)
+    assert rig.counts() == rig.initial_counts
+    assert bool((torch.from_numpy(rig.coord.hot.sizes.host) == rig.B).all())
+
+
+def test_growth_at_a_page_boundary_leaves_the_pending_previous_token_in_the_window(gloo_world):
+    """The growth check (every 32 steps with ``promotion_interval`` 0) falls on the step whose new
+    token is at position 896 = 14 pages: the previous token (895), still to be written through
+    from the window, must not get a slot of its own, so the buffer grows to 13 pages, not 14; a
+    later miss of position 895 reads its true KV from host (growing to 14 pages failed here:
+    "pos 895: row ... holds 0.0")."""
+    rig = Rig(gloo_world, device_rows=PAGE * 40, residency=True, residency_watermark=0.0, promotion_interval=0,
+              max_device_buffer_size=15 * PAGE)
+    req = Request(uid=1, prompt_len=14 * PAGE - 31)
+    assert rig.prefill(req)
+    rig.stage(req)
+    rig.collect()
+    rig.coord._resident_decode.demote(req.req_pool_idx)
+    rng = random.Random(1)
+    decode(rig, [req], rng, steps=32, overlap=0.0)
+    assert rig.coord.hot.sizes.of(req.req_pool_idx) == 13 * PAGE
+    decode(rig, [req], rng, steps=100, overlap=0.0)
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts
