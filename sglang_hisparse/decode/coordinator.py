@@ -37,7 +37,7 @@ from typing import Any, List, Optional
 import torch
 
 from sglang_hisparse.config import HiSparseConfig
-from sglang_hisparse.decode.elastic import ELASTIC_INTERVAL, ElasticBuffers
+from sglang_hisparse.decode.elastic import ElasticBuffers
 from sglang_hisparse.decode.layers import LayerResolve
 from sglang_hisparse.decode.lifecycle import RequestLifecycle
 from sglang_hisparse.decode.prefetch import model_topk_sources
@@ -61,8 +61,7 @@ class HiSparseCoordinator:
     layers' top-k sources (IndexShare) are the served model's; with it, ``topk_sources`` (per
     layer, the layer whose top-k it reuses; default: every layer its own).
 
-    A DeepSeek-V4 server (its allocator is our ``C4Allocator``) gets a
-    :class:`~sglang_hisparse.decode.c4_coordinator.C4Coordinator` from the same call instead."""
+    A DeepSeek-V4 server (our ``C4Allocator``) gets a :class:`~sglang_hisparse.decode.c4_coordinator.C4Coordinator`."""
 
     def __new__(cls, req_to_token_pool=None, token_to_kv_pool_allocator=None, *args, **kwargs):
         from sglang_hisparse.memory.c4_allocator import C4Allocator
@@ -122,16 +121,13 @@ class HiSparseCoordinator:
                     capacity_line(self.capacity))
 
     def _build_residency(self, max_reqs: int, device: torch.device, selections: torch.Tensor) -> ResidentDecode:
-        """Residency on: resident pages marked, the driver (reclaim, promotion), the idle reports' counts."""
+        """Residency on: resident pages marked, the driver (reclaim, promotion, elastic buffers), the idle reports' counts."""
         self.allocator.enable_resident_pages()
         driver = ResidentDecode.build(
             self.config, max_reqs=max_reqs, device=device, hot=self.hot, mirror=self.mirror, allocator=self.allocator,
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
         driver.promotion = Promotion.for_driver(driver, self.device_pool, self.config.promotion_interval)
-        if self.config.max_device_buffer_size:
-            driver.elastic = ElasticBuffers(
-                self.hot, self.allocator, self.mirror, reserve_rows=driver.residency.policy.watermark_rows + self.hot.padded,
-                quiesce=self._wait_for_producer, interval=self.config.promotion_interval or ELASTIC_INTERVAL)
+        driver.elastic = ElasticBuffers.for_driver(driver, self.config)
         self.stats.residency = driver.residency
         return driver
 

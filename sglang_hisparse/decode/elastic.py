@@ -26,7 +26,7 @@ Owns: the steps left until the next growth check. The sizes are the hot buffers'
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -44,6 +44,17 @@ class ElasticBuffers:
         self.hot, self.allocator, self.mirror = hot, allocator, mirror
         self.reserve_rows, self.quiesce, self.interval = reserve_rows, quiesce, max(1, interval)
         self._steps_left = self.interval
+
+    @classmethod
+    def for_driver(cls, driver, config) -> Optional["ElasticBuffers"]:
+        """A residency driver's elastic buffers (``decode/pressure.py``: its hot buffers, allocator,
+        mirror, watermark and ``quiesce``), or None when ``config.max_device_buffer_size`` is 0.
+        Checks every ``promotion_interval`` steps (:data:`ELASTIC_INTERVAL` when that is 0)."""
+        if not config.max_device_buffer_size:
+            return None
+        reserve = driver.residency.policy.watermark_rows + driver.hot.padded
+        return cls(driver.hot, driver.allocator, driver.mirror, reserve_rows=reserve, quiesce=driver.quiesce,
+                   interval=config.promotion_interval or ELASTIC_INTERVAL)
 
     def grown(self) -> dict[int, int]:
         """Request slot -> size of every open buffer above the opening size. Reads only."""

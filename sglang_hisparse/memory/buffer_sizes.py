@@ -24,11 +24,18 @@ from typing import Optional
 import numpy as np
 import torch
 
+from sglang_hisparse.errors import HiSparsePluginError
+
 
 class BufferSizes:
-    def __init__(self, *, max_reqs: int, open_size: int, table_size: int, device: torch.device):
+    def __init__(self, *, max_reqs: int, open_size: int, table_size: int, page: int, device: torch.device):
+        """Raises HiSparsePluginError when sizes can differ and the two sizes are not whole pages."""
         if not 0 < open_size <= table_size:
             raise ValueError(f"buffer sizes need 0 < open_size <= table_size, got {open_size}, {table_size}")
+        if open_size < table_size and (open_size % page or table_size % page):
+            raise HiSparsePluginError(
+                f"sglang-hisparse: device_buffer_size={open_size} and max_device_buffer_size={table_size} must be "
+                f"multiples of the page size ({page}) for elastic hot buffers")
         self.open_size, self.table_size = open_size, table_size
         self.host = np.full(max_reqs, open_size, dtype=np.int64)
         self.device: Optional[torch.Tensor] = (

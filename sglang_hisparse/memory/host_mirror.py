@@ -181,22 +181,19 @@ class HostMirror:
     ) -> None:
         """The write-through of a one-token decode step at ``seq_lens`` (int64 CPU tensors).
 
-        A request is *due* (:func:`due_requests`, ``flush_at``) when its previous token sits in a
-        hot buffer's newest slot, which this step's token takes (every step of a long hot buffer),
-        or a page of positions is pending in a hot buffer still on the fast path; deferred
-        (resident) requests never are. The forward is ordered after the copy only when it includes
-        a newest slot. ``newest_rows`` (optional, int64 on the device, batch order), the rows the
-        step's tokens take, are the rows copied when every due request has only its previous token
-        pending, in its newest slot (the steady state): ``device_rows_of`` is then not called.
-        ``buffer_size``: the hot buffers' size B, or each request slot's (int64 numpy [max_reqs],
-        per-request sizes). Side effects: host rows for the copied positions; at most one copy on
-        the write-through lane, after the current and producer streams.
+        A request is *due* (:func:`due_requests`, ``flush_at``) when its previous token sits in a hot buffer's
+        newest slot, which this step's token takes (every step of a long hot buffer), or a page of positions is
+        pending in a hot buffer still on the fast path; deferred (resident) requests never are. The forward is
+        ordered after the copy only when it includes a newest slot. ``newest_rows`` (optional, int64 on the device,
+        batch order), the rows the step's tokens take, are the rows copied when every due request has only its
+        previous token pending, in its newest slot (the steady state): ``device_rows_of`` is then not called.
+        ``buffer_size``: B, or each request slot's (numpy). Side effects: host rows for the copied positions; at
+        most one copy on the write-through lane, after the current and producer streams.
         """
         idx, end, at = due_requests(req_pool_idxs.numpy(), seq_lens.numpy() - 1, self._flush_at)
         if idx.size == 0:
             return
-        if isinstance(buffer_size, np.ndarray):
-            buffer_size = buffer_size[idx]
+        buffer_size = buffer_size[idx] if isinstance(buffer_size, np.ndarray) else buffer_size
         if newest_rows is not None and in_newest_slots(self._mirrored[idx], end, buffer_size):
             device_rows_of = _newest_rows_reader(newest_rows, at)
         self._copy(idx, end, device_rows_of, urgent=overwrites_newest_slot(end, buffer_size))

@@ -62,11 +62,7 @@ class HotBuffers:
         self.open_size = buffer_size
         """Slots below the window a buffer opens with (``device_buffer_size``)."""
         assert window == 1 or B == buffer_size, "per-request buffer sizes are for one-token steps"
-        if B > buffer_size and (buffer_size % page or B % page):
-            raise HiSparsePluginError(
-                f"sglang-hisparse: device_buffer_size={buffer_size} and max_device_buffer_size={B} must be "
-                f"multiples of the page size ({page}) for per-request buffer sizes")
-        self.sizes = BufferSizes(max_reqs=max_reqs, open_size=buffer_size, table_size=B, device=device)
+        self.sizes = BufferSizes(max_reqs=max_reqs, open_size=buffer_size, table_size=B, page=page, device=device)
         self.window = window
         self.page_size = page
         self.padded = hot_buffer_rows(buffer_size, window, page)
