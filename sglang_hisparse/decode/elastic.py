@@ -13,9 +13,10 @@ token, still pending in the window, must stay where the write-through reads it).
 :meth:`HotBuffers.resize <sglang_hisparse.memory.hot_buffers.HotBuffers.resize>`.
 
 Giving back (:meth:`ElasticBuffers.give_back`), called by the pressure relief before it demotes
-(``decode/pressure.py``) and by a prefill's reclaim: the largest grown buffers shrink first, a
-page at a time, never below the opening size, so no fewer requests are held than without
-elastic buffers. Ordering of a shrink: the current stream after the forward in flight
+(``decode/pressure.py``) and by a prefill's reclaim: the largest grown buffers shrink first, by
+the whole pages the shortfall needs, never below the opening size, so no fewer requests are held
+than without elastic buffers. Not yet on a PD decode instance: its direct admission opens a hot
+buffer without reclaiming first (untested with elastic buffers). Ordering of a shrink: the current stream after the forward in flight
 (``quiesce``: it may read those rows) and after every write-through copy (which may read them),
 then the rows go back to the free list.
 
@@ -102,8 +103,8 @@ class ElasticBuffers:
         return taken
 
     def give_back(self, rows: int) -> int:
-        """Shrink grown buffers (largest first, a page at a time, down to the opening size) until
-        ``rows`` device rows are free or none is grown. Returns the rows freed."""
+        """Shrink grown buffers (largest first, by the pages still short, down to the opening size)
+        until ``rows`` device rows are free or none is grown. Returns the rows freed."""
         grown = self.grown()
         if not grown or self.allocator.rows.room() >= rows:
             return 0
