@@ -87,6 +87,8 @@ def test_e2e_config_syntax():
     assert "residency" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: residency on
     assert json.loads(e2e.hisparse_config("ours_hot", 4096, 8))["residency"] is False
     assert json.loads(e2e.hisparse_config("ours_nopromo", 4096, 8))["promotion_interval"] == 0
+    assert json.loads(e2e.hisparse_config("ours_elastic", 4096, 8))["max_device_buffer_size"] == 8192
+    assert "max_device_buffer_size" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: off
     assert "promotion_interval" not in json.loads(e2e.hisparse_config("ours", 4096, 8))  # the default: on
     for variant in ("ours_noio", "ours_reuse", "ours_map", "ours_noprefetch"):  # hot-buffer A/B points
         assert json.loads(e2e.hisparse_config(variant, 4096, 8))["residency"] is False, variant

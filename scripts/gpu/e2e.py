@@ -109,11 +109,13 @@ def server_name(impl: str, buffer: int, graph: bool, graph_bs: int | None = None
     return f"{impl}_B{buffer}_g{int(graph)}{f'bs{graph_bs}' if graph_bs else ''}{f'_{tag}' if tag else ''}"
 
 
-OURS = ("ours", "ours_hot", "ours_noio", "ours_resident", "ours_nopromo", "ours_noprefetch", "ours_reuse", "ours_map")
+OURS = ("ours", "ours_hot", "ours_noio", "ours_resident", "ours_nopromo", "ours_elastic", "ours_noprefetch", "ours_reuse",
+        "ours_map")
 """Our implementations: the plugin with its defaults (residency on), the plugin with hot buffers
 only (residency off), the no-IO oracle of the hot buffers, the plugin with residency set
 explicitly, the defaults without promotion back from hot buffers (``promotion_interval`` 0: the
-A/B point of issue 44's elastic hot buffers), and three A/B variants of the hot-buffer path (residency off, so that every request
+A/B point of issue 44's promotion), the defaults with elastic hot buffers up to twice the size
+(``max_device_buffer_size`` 2B: issue 44's A/B point against ``ours``), and three A/B variants of the hot-buffer path (residency off, so that every request
 resolves through the kernel): IndexShare prefetch off (every layer resolves), the reuse-table
 replacement policy instead of LRU, planning with the position -> slot map."""
 HOT_BUFFER_VARIANTS = {"ours_noprefetch": {"indexshare_prefetch": False}, "ours_reuse": {"replacement": "reuse"},
@@ -137,6 +139,8 @@ def hisparse_config(impl: str, buffer: int, ratio: int, stats_interval: int = 0,
             config.update(residency=True, residency_watermark=RESIDENCY_WATERMARK)
         if impl == "ours_nopromo":  # residency without promotion: demoted requests stay in hot buffers
             config["promotion_interval"] = 0
+        if impl == "ours_elastic":  # long hot buffers grow into spare rows, up to 2B
+            config["max_device_buffer_size"] = 2 * buffer
         if impl in HOT_BUFFER_VARIANTS:
             config.update(residency=False, **HOT_BUFFER_VARIANTS[impl])
         return json.dumps(config)
