@@ -19,6 +19,8 @@ from test_coordinator_lifecycle import run_random_lifecycle
 from test_residency import decode
 
 from sglang_hisparse.config import HiSparseConfigError, parse_hisparse_config
+from sglang_hisparse.errors import HiSparsePluginError
+from sglang_hisparse.memory.buffer_sizes import BufferSizes
 
 
 def long_hot_request(rig: Rig) -> Request:
@@ -119,3 +121,21 @@ def test_growth_at_a_page_boundary_leaves_the_pending_previous_token_in_the_wind
     decode(rig, [req], rng, steps=100, overlap=0.0)
     rig.release(req)
     assert rig.counts() == rig.initial_counts
+
+
+def test_virtual_slots_sit_below_the_size_then_in_the_window():
+    """Virtual slot k is slot k below the request's size S and window slot B + k - S from S on;
+    one-token steps put a position below S in its own slot, any other in slot B."""
+    sizes = BufferSizes(max_reqs=2, open_size=128, table_size=256, page=64, device=torch.device("cpu"))
+    assert sizes.physical(0, 120, 12).tolist() == [*range(120, 128), *range(256, 260)]
+    sizes.set(0, 192)
+    assert sizes.physical(0, 120, 12).tolist() == list(range(120, 132))
+    assert (sizes.step_slots(0, 100), sizes.step_slots(0, 500), sizes.step_slots(1, 500)) == (100, 193, 129)
+    assert sizes.newest_slots(torch.tensor([0, 1]), torch.tensor([150, 150])).tolist() == [150, 256]
+    assert sizes.device.tolist() == [192, 128] and sizes.host.tolist() == [192, 128]
+    with pytest.raises(ValueError, match="outside"):
+        sizes.set(1, 320)
+    fixed = BufferSizes(max_reqs=2, open_size=100, table_size=100, page=64, device=torch.device("cpu"))
+    assert not fixed.elastic and fixed.newest_slots(torch.tensor([1]), torch.tensor([150])).tolist() == [100]
+    with pytest.raises(HiSparsePluginError, match="multiples of the page size"):
+        BufferSizes(max_reqs=2, open_size=100, table_size=256, page=64, device=torch.device("cpu"))

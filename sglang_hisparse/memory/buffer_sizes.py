@@ -65,7 +65,9 @@ class BufferSizes:
 
     def place(self, slot_rows: torch.Tensor, idx: int, first: int, rows: torch.Tensor) -> None:
         """Write ``rows`` into ``slot_rows[idx]`` (the hot buffers' table) at request slot
-        ``idx``'s virtual slots ``first ..``."""
+        ``idx``'s virtual slots ``first ..`` (none: nothing)."""
+        if rows.numel() == 0:
+            return
         slots = self.physical(idx, first, rows.numel())
         if slots[-1] - slots[0] == rows.numel() - 1:  # one run of slots (always, at one size)
             slot_rows[idx, int(slots[0]) : int(slots[-1]) + 1] = rows.to(torch.int32)
@@ -75,6 +77,8 @@ class BufferSizes:
     def rows_held(self, slot_rows: torch.Tensor, idx: int, first: int, count: int) -> torch.Tensor:
         """The rows (int64) in ``slot_rows[idx]`` at request slot ``idx``'s virtual slots
         ``first .. first + count - 1``. Reads only."""
+        if count == 0:
+            return slot_rows.new_zeros(0, dtype=torch.int64)
         slots = self.physical(idx, first, count)
         if slots[-1] - slots[0] == count - 1:
             return slot_rows[idx, int(slots[0]) : int(slots[-1]) + 1].to(torch.int64)
