@@ -234,7 +234,8 @@ def test_batched_matches_reference_with_the_policy(pool, bufs):
         r = case.inputs["req_pool_indices"][:n].long()
         L = case.inputs["seq_lens"][:n].long()
         touched = torch.zeros(spec.max_reqs, dtype=torch.bool)
-        long_rows = L > spec.B
+        sizes = case.inputs.get("buffer_sizes")  # per-request buffer sizes: long past each size
+        long_rows = L > (spec.B if sizes is None else sizes[r].long())
         if "resident" in case.inputs:
             long_rows &= case.inputs["resident"][r] == 0
         touched[r[long_rows]] = True
