@@ -70,23 +70,29 @@ def test_emulated_kernel_matches_oracle_on_many_cases(emu):
     assert failures == 0, "\n\n".join(reports)
 
 
+def small_cases_bench(seed: int):
+    """(device, host pool, kernel and oracle device buffers, workspace) for hand-built CPU cases of
+    up to 10 requests at B <= 256, top_k <= 64."""
+    import torch
+    from sglang_hisparse.resolver import cuda as rcuda
+    from sglang_hisparse_testkit.resolver_cases import HostPool
+
+    dev = torch.device("cpu")
+    bufs = (torch.empty(4 << 20, dtype=torch.uint8), torch.empty(4 << 20, dtype=torch.uint8))
+    return dev, HostPool(8 << 20, dev, pin=False, seed=seed), *bufs, rcuda.make_workspace(24, dev, top_k=64, spill=True)
+
+
 @pytest.mark.slow
 def test_emulated_kernel_keeps_the_slot_map_across_steps(emu):
     """With the position -> slot map, the kernel writes each miss's entry, so a second and third
     launch with the same selections find every position through the map (no misses), exactly as
     the oracle (which looks positions up in the slot table) does. Three planner layouts: slot
     tokens staged in the hash region, read in global memory (hash region < B), spilled."""
-    import torch
     import run_emulation
-    from sglang_hisparse.resolver import cuda as rcuda
     from sglang_hisparse.resolver.batched import resolve_batched
-    from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, differences, make_case
+    from sglang_hisparse_testkit.resolver_cases import CaseSpec, differences, make_case
 
-    dev = torch.device("cpu")
-    pool = HostPool(8 << 20, dev, pin=False, seed=1)
-    kbuf = torch.empty(4 << 20, dtype=torch.uint8)
-    rbuf = torch.empty(4 << 20, dtype=torch.uint8)
-    ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
+    dev, pool, kbuf, rbuf, ws = small_cases_bench(seed=1)
     for B, K in ((256, 64), (64, 8), (96, 48)):
         spec = CaseSpec(item_bytes=656, B=B, top_k=K, num_reqs=6, num_real=6, max_reqs=8, seed=B, hit_mode="fixed",
                         hit_rate=0.5, short_frac=0.0, pad_prob=0.0, plan=True, counters=True, block_size=64,
@@ -107,17 +113,11 @@ def test_emulated_kernel_honours_per_request_buffer_sizes(emu):
     with the oracle on every output, with the hash table and with the position -> slot map, over
     three planner layouts; and the same launch without the sizes differs from the oracle with them
     (the sizes decide the outcome of these cases, so the comparison can fail)."""
-    import torch
     import run_emulation
-    from sglang_hisparse.resolver import cuda as rcuda
     from sglang_hisparse.resolver.batched import resolve_batched
-    from sglang_hisparse_testkit.resolver_cases import CaseSpec, HostPool, differences, make_case
+    from sglang_hisparse_testkit.resolver_cases import CaseSpec, differences, make_case
 
-    dev = torch.device("cpu")
-    pool = HostPool(8 << 20, dev, pin=False, seed=2)
-    kbuf = torch.empty(4 << 20, dtype=torch.uint8)
-    rbuf = torch.empty(4 << 20, dtype=torch.uint8)
-    ws = rcuda.make_workspace(24, dev, top_k=64, spill=True)
+    dev, pool, kbuf, rbuf, ws = small_cases_bench(seed=2)
     for B, K in ((256, 64), (64, 8), (96, 48)):
         for slot_map in (False, True):
             spec = CaseSpec(item_bytes=656, B=B, top_k=K, num_reqs=8, num_real=8, max_reqs=10, seed=B + slot_map,
