@@ -87,8 +87,8 @@ class ElasticBuffers:
         # (the fast path L <= S stays closed), whole pages
         limits = np.minimum((len_np - 2) // page * page, hot.buffer_size)
         sizes = hot.sizes.host[idx_np]
-        room = np.where([hot.capacity[int(i)] > hot.sizes.of(int(i)) for i in idx_np], limits - sizes, 0)
-        room = np.maximum(room, 0)
+        long_buffer = [hot.capacity[i] > size for i, size in zip(idx_np.tolist(), sizes.tolist())]
+        room = np.maximum(np.where(long_buffer, limits - sizes, 0), 0)
         if not room.any():
             return 0
         share = max(page, spare // int((room > 0).sum()) // page * page)
