@@ -64,6 +64,57 @@ def test_a_long_hot_buffer_grows_into_spare_rows_then_gives_them_back_to_a_prefi
     assert hot.sizes.host.tolist() == [rig.B] * len(hot.capacity)
 
 
+def grown_rig(gloo_world) -> tuple[Rig, Request]:
+    """16 pages, a 2-page watermark: a 14-page request demoted to a hot buffer that then grows
+    from 2 pages to 6 (9 pages free, 4 lent)."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True, residency_watermark=0.125, promotion_interval=1,
+              max_device_buffer_size=6 * PAGE)
+    req = long_hot_request(rig)
+    decode(rig, [req], random.Random(7), steps=2)
+    assert rig.coord.hot.sizes.of(req.req_pool_idx) == 6 * PAGE and rig.allocator.rows.room() == 9 * PAGE
+    return rig, req
+
+
+def test_a_request_entering_decode_stays_resident_as_it_would_without_grown_buffers(gloo_world):
+    """An 8-page prefill leaves 1 free page, under the 2-page watermark: without elastic buffers 5
+    would be free and it would stay resident, so the grown buffer gives back one page (not more)
+    and it does; both decode exact and everything comes back."""
+    rig, req = grown_rig(gloo_world)
+    other = Request(uid=2, prompt_len=8 * PAGE)
+    assert rig.prefill(other)
+    assert rig.allocator.rows.room() == PAGE
+    rig.stage(other)
+    rig.collect()
+    assert rig.coord.residency.holds(other.req_pool_idx), "admission did not see the lent rows"
+    assert rig.coord.hot.sizes.of(req.req_pool_idx) == 5 * PAGE
+    decode(rig, [req, other], random.Random(8), steps=20)
+    for r in (req, other):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_pd_direct_admission_takes_back_lent_rows_for_residency_and_for_a_hot_buffer(gloo_world):
+    """PD decode, grown buffer as above: an 8-page transfer stays resident (8 pages + the
+    watermark need one lent page back); then, with the free rows taken by hand down to one page,
+    a 4-page transfer (a long one: a full hot buffer of 3 pages) gets the rows SGLang's PD budget
+    counted as reclaimable instead of an error. All decode exact from their host KV."""
+    rig, req = grown_rig(gloo_world)
+    resident = Request(uid=2, prompt_len=8 * PAGE)
+    assert rig.admit_direct(resident)
+    assert rig.coord.residency.holds(resident.req_pool_idx) and rig.coord.hot.sizes.of(req.req_pool_idx) == 5 * PAGE
+    rig.release(resident)
+    rig.coord.hot.resize(req.req_pool_idx, 6 * PAGE)
+    taken = rig.allocator.rows.pages.alloc_pages(rig.allocator.rows.room() // PAGE - 1)
+    hot = Request(uid=3, prompt_len=4 * PAGE)
+    assert rig.admit_direct(hot)
+    assert rig.coord.hot.holds(hot.req_pool_idx) and rig.coord.hot.sizes.of(req.req_pool_idx) == 4 * PAGE
+    decode(rig, [req, hot], random.Random(9), steps=20)
+    rig.allocator.rows.pages.free_pages_(taken)
+    for r in (req, hot):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
 def test_growth_keeps_the_watermark_and_one_hot_buffer_free_and_off_by_default(gloo_world):
     """With only one more hot buffer free beyond the watermark nothing grows; without
     ``max_device_buffer_size`` the sizes never change and the resolver gets no size table."""

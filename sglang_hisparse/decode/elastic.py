@@ -15,12 +15,14 @@ token, still pending in the window, must stay where the write-through reads it).
 Giving back (:meth:`ElasticBuffers.give_back`), called by the pressure relief before it demotes
 (``decode/pressure.py``) and by a prefill's reclaim: the largest grown buffers shrink first, by
 the whole pages the shortfall needs, never below the opening size, so no fewer requests are held
-than without elastic buffers. Not yet on a PD decode instance: its direct admission opens a hot
-buffer without reclaiming first (untested with elastic buffers). Ordering of a shrink: the current stream after the forward in flight
+than without elastic buffers. Admission sees the room it would have without them: a request
+entering decode, or admitted directly on a PD decode instance, may stay resident if it would have
+without grown buffers (``ResidentDecode.unlend``), and a PD hot buffer reclaims what SGLang's PD
+budget counted as reclaimable before it opens. Ordering of a shrink: the current stream after the forward in flight
 (``quiesce``: it may read those rows) and after every write-through copy (which may read them),
 then the rows go back to the free list.
 
-Owns: the steps left until the next growth check. The sizes are the hot buffers'
+Owns: the steps left until the next growth check and the two row totals the idle report shows. The sizes are the hot buffers'
 (``hot.sizes``; a buffer that closes is back at the opening size), the rows the allocator's.
 """
 
@@ -45,6 +47,10 @@ class ElasticBuffers:
         self.hot, self.allocator, self.mirror = hot, allocator, mirror
         self.reserve_rows, self.quiesce, self.interval = reserve_rows, quiesce, max(1, interval)
         self._steps_left = self.interval
+        self.grown_rows_total = 0
+        """Rows buffers took by growing, since start (the idle report's ``grown``)."""
+        self.given_back_rows_total = 0
+        """Rows grown buffers gave back, since start (the idle report's ``given_back``)."""
 
     @classmethod
     def for_driver(cls, driver, config) -> Optional["ElasticBuffers"]:
@@ -98,6 +104,7 @@ class ElasticBuffers:
             if extra <= 0:
                 continue
             taken += self.hot.resize(idx, size + extra)
+        self.grown_rows_total += taken
         if taken:
             logger.debug("sglang-hisparse: elastic hot buffers took %d rows (%s)", taken, self.allocator.debug_print())
         return taken
@@ -118,4 +125,5 @@ class ElasticBuffers:
             freed -= self.hot.resize(idx, size - cut)
             if size - cut > floor:
                 grown[idx] = size - cut
+        self.given_back_rows_total += freed
         return freed

@@ -141,10 +141,10 @@ class RequestLifecycle:
         budget should prevent it)."""
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self.logical_ids(req, n)
-        rows = self.residency.admit_loaded(idx, logical) if self.residency is not None else None
+        rows = self.resident.admit_loaded(idx, logical) if self.resident is not None else None
         resident = rows is not None
         if rows is None:
-            rows = self.hot.open(idx, logical, filled=n <= self.hot.open_size, mapped=False)
+            rows = self._open_direct(idx, logical, n)
             if rows is None:
                 raise HiSparsePluginError(
                     f"sglang-hisparse: no device rows for the hot buffer of request {req.rid} "
@@ -159,6 +159,20 @@ class RequestLifecycle:
         if self.prefix_cache is not None:
             self.prefix_cache.share_running(req)
         self.stats.note_activity()
+
+    def _open_direct(self, idx: int, logical: torch.Tensor, n: int) -> Optional[torch.Tensor]:
+        """PD: a hot buffer for a transferred request (rows unmapped; filled when ``n`` fits the
+        opening size). When the free rows are short, first the rows SGLang's PD budget counted as
+        reclaimable (``hisparse_attn_allocator``: grown buffers' lent rows, resident requests'
+        demotions) are reclaimed. Returns the buffer's rows, or None when it still does not fit."""
+        def open_hot() -> Optional[torch.Tensor]:
+            return self.hot.open(idx, logical, filled=n <= self.hot.open_size, mapped=False)
+
+        rows = open_hot()
+        if rows is None and self.resident is not None:
+            self.resident.reclaim(self.hot.padded)
+            rows = open_hot()
+        return rows
 
     # --- leaving ---------------------------------------------------------------------------------
     def finish(self, req) -> None:

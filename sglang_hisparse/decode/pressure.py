@@ -128,10 +128,18 @@ class ResidentDecode(PressureRelief):
         """Rows a prefill can have on demand: resident requests' and grown hot buffers' above their opening size."""
         return self.residency.reclaimable_rows() + (self.elastic.lent_rows() if self.elastic is not None else 0)
 
+    def unlend(self, rows: int) -> None:
+        """Shrink grown hot buffers until ``rows`` device rows are free, so an admission sees the
+        room it would have without elastic buffers. No demotion; nothing shrinks without elastic
+        buffers, when the rows are free already, or when even every lent row would not free them."""
+        if self.elastic is not None and self.allocator.rows.room() + self.elastic.lent_rows() >= rows:
+            self.elastic.give_back(rows)
+
     def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], bool]) -> bool:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
-        policy allows, else through ``open_hot`` (its hot buffer), demoting resident requests if
-        it does not fit."""
+        policy allows (grown hot buffers give back the watermark's rows first), else through
+        ``open_hot`` (its hot buffer), reclaiming rows if it does not fit."""
+        self.unlend(self.residency.policy.watermark_rows)
         if self.residency.admit(idx, logical_ids):
             self.mirror.defer(idx)
             return True
@@ -139,6 +147,13 @@ class ResidentDecode(PressureRelief):
             return True
         self.reclaim(self.hot.padded)
         return open_hot()
+
+    def admit_loaded(self, idx: int, logical_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """PD: :meth:`Residency.admit_loaded` after grown hot buffers gave back what the request's
+        pages and the watermark need (:meth:`unlend`). Rows of its positions, or None."""
+        page = self.hot.page_size
+        self.unlend(-(-logical_ids.numel() // page) * page + self.residency.policy.watermark_rows)
+        return self.residency.admit_loaded(idx, logical_ids)
 
     def rows_now(self, req_pool_idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Device rows (int64) holding ``positions`` now: a resident request's own rows, else the
