@@ -116,6 +116,9 @@ class ResolveStats:
         self._export = None
         self.residency = None
         """The coordinator's :class:`~sglang_hisparse.memory.residency.Residency` when residency is on."""
+        self.elastic = None
+        """The residency driver's :class:`~sglang_hisparse.decode.elastic.ElasticBuffers` when
+        ``max_device_buffer_size`` is on (the report's ``grown``/``given_back`` rows)."""
         self.prefix_cache = None
         """The radix cache holding finished requests' ids and host rows (``HostPrefixCache``), when on."""
 
@@ -191,5 +194,7 @@ class ResolveStats:
         if self.residency is not None:
             line += (f" resident={self.residency.count()} admitted_resident={self.residency.admitted_total}"
                      f" demotions={self.residency.demotions_total} promotions={self.residency.promotions_total}")
+        if self.elastic is not None:
+            line += f" grown={self.elastic.grown_rows_total} given_back={self.elastic.given_back_rows_total}"
         (logger.error if leak else logger.info)(line)
         return line

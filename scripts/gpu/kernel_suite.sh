@@ -11,7 +11,8 @@
 #   1. environment; 2. JIT build of every module (timed: a server's cold start-up build first);
 #   3. concurrently: the GPU tests (>= 10000 random cases vs the oracle, graph capture) and
 #      compute-sanitizer memcheck + racecheck on a small representative subset;
-#   4. the benchmark against upstream SGLang 0.5.17 (alone on the GPU); 5. summary.
+#   4. the benchmark against upstream SGLang 0.5.17 (alone on the GPU; HISPARSE_BENCH_ARGS: extra
+#      flags for scripts/research/bench_resolve.py, e.g. --sized); 5. summary.
 # The JIT cache lives in /tmp/jit/tvm-ffi: scripts/gpu/run.sh restores it from .jit/ and packs it.
 
 set -uo pipefail
@@ -113,8 +114,9 @@ grep -hE "ERROR SUMMARY|RACECHECK SUMMARY|\[(memcheck|racecheck)\]" /tmp/hispars
 T=$(cap 200 25)
 if (( T > 60 )); then
   note "benchmark (limit ${T}s)"
-  export HISPARSE_BENCH_COMMAND="bash scripts/gpu/kernel_suite.sh (step: python3 scripts/research/bench_resolve.py --out \$OUT --budget-s $(( T - 70 )) --stage-clock)"
-  limited "$T" $PY scripts/research/bench_resolve.py --out "$OUT" --budget-s $(( T - 70 )) --stage-clock; STEP_STATUS[bench]=$?
+  export HISPARSE_BENCH_COMMAND="bash scripts/gpu/kernel_suite.sh (step: python3 scripts/research/bench_resolve.py --out \$OUT --budget-s $(( T - 70 )) --stage-clock ${HISPARSE_BENCH_ARGS:-})"
+  # shellcheck disable=SC2086  # HISPARSE_BENCH_ARGS: extra bench flags, word-split on purpose (e.g. --sized)
+  limited "$T" $PY scripts/research/bench_resolve.py --out "$OUT" --budget-s $(( T - 70 )) --stage-clock ${HISPARSE_BENCH_ARGS:-}; STEP_STATUS[bench]=$?
 else
   note "benchmark skipped: no time left"; STEP_STATUS[bench]=skipped
 fi

@@ -128,7 +128,7 @@ class HiSparseCoordinator:
             req_to_token=self.req_to_token_pool.req_to_token, selections=selections, quiesce=self._wait_for_producer)
         driver.promotion = Promotion.for_driver(driver, self.device_pool, self.config.promotion_interval)
         driver.elastic = ElasticBuffers.for_driver(driver, self.config)
-        self.stats.residency = driver.residency
+        self.stats.residency, self.stats.elastic = driver.residency, driver.elastic
         return driver
 
     def _bind_layers(self, resolver, max_reqs: int, top_k: int, device: torch.device, selections: torch.Tensor,

@@ -32,7 +32,8 @@ IDLE_LINE = re.compile(r"sglang-hisparse idle(?P<c4> \(DeepSeek-V4 C4\))?: (?P<p
                        r"selected=(?P<selected>\d+) misses=(?P<misses>\d+)"
                        r"(?:.*? steps=(?P<steps>\d+) host_us_per_step=(?P<host_us>[\d.]+))?"
                        r"(?:.*? resident=(?P<resident>\d+) admitted_resident=(?P<admitted>\d+) "
-                       r"demotions=(?P<demotions>\d+) promotions=(?P<promotions>\d+))?")
+                       r"demotions=(?P<demotions>\d+) promotions=(?P<promotions>\d+))?"
+                       r"(?: grown=(?P<grown>\d+) given_back=(?P<given_back>\d+))?")
 """Our idle report, DSA (``sglang-hisparse idle: ...``, stats.py) or DeepSeek-V4 C4
 (``sglang-hisparse idle (DeepSeek-V4 C4): ...``, decode/c4_coordinator.py)."""
 PREFIX_COUNTS = ("cached", "loaded", "lent", "shared", "evicted", "not_sent")
@@ -45,7 +46,8 @@ def parse_idle_reports(log: str, layout: str = "dsa") -> list[dict]:
     """Every idle report of ``layout`` ("dsa" or "c4") in ``log``, in order: ``counts`` (pool name
     -> (free now, free at start)), ``leak``, ``selected``, ``misses``, the prefix counts and, where
     the line has them, ``steps``, ``host_us_per_step``, ``resident``, ``admitted_resident``,
-    ``demotions``, ``promotions`` (0 where absent). ValueError for another layout."""
+    ``demotions``, ``promotions`` and (elastic hot buffers) the rows ``grown`` and ``given_back``
+    (0 where absent). ValueError for another layout."""
     if layout not in ("dsa", "c4"):
         raise ValueError(f"layout={layout!r}: allowed values are 'dsa', 'c4'")
     reports = []
@@ -65,7 +67,8 @@ def parse_idle_reports(log: str, layout: str = "dsa") -> list[dict]:
                         "selected": number("selected"), "misses": number("misses"), "steps": number("steps"),
                         "host_us_per_step": number("host_us", float), "resident": number("resident"),
                         "admitted_resident": number("admitted"), "demotions": number("demotions"),
-                        "promotions": number("promotions")})
+                        "promotions": number("promotions"), "grown": number("grown"),
+                        "given_back": number("given_back")})
     return reports
 
 
