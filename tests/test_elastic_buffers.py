@@ -115,6 +115,58 @@ def test_pd_direct_admission_takes_back_lent_rows_for_residency_and_for_a_hot_bu
     assert rig.counts() == rig.initial_counts
 
 
+def hot_and_resident(rig: Rig, hot_pages: list[int], resident_pages: int) -> tuple[list[Request], Request]:
+    """Requests of ``hot_pages`` pages each, entered resident and demoted by hand to hot buffers,
+    then one of ``resident_pages`` pages that stays resident."""
+    hot = []
+    for uid, pages in enumerate(hot_pages, start=1):
+        req = Request(uid=uid, prompt_len=pages * PAGE)
+        assert rig.prefill(req)
+        rig.stage(req)
+        rig.collect()
+        rig.coord._resident_decode.demote(req.req_pool_idx)
+        hot.append(req)
+    resident = Request(uid=9, prompt_len=resident_pages * PAGE)
+    assert rig.prefill(resident)
+    rig.stage(resident)
+    rig.collect()
+    assert rig.coord.residency.holds(resident.req_pool_idx)
+    return hot, resident
+
+
+def test_a_long_resident_request_is_traded_for_two_full_growths(gloo_world):
+    """26 pages, no watermark: two 14-page hot buffers at 2 pages want 4 more each and no row is
+    spare (a 17-page resident request holds the rest but one hot buffer's 3). The resident
+    request's 14 reclaimable pages, less its own growth, grow both fully: the first check demotes
+    it and grows both to 6 pages, the next grows its buffer too; all exact, everything back."""
+    rig = Rig(gloo_world, device_rows=PAGE * 26, residency=True, residency_watermark=0.0, promotion_interval=1,
+              max_device_buffer_size=6 * PAGE, max_context=24 * PAGE)
+    hot, resident = hot_and_resident(rig, [14, 14], 17)
+    sizes, rng = rig.coord.hot.sizes, random.Random(10)
+    decode(rig, [*hot, resident], rng, steps=1)
+    assert not rig.coord.residency.holds(resident.req_pool_idx)
+    assert [sizes.of(r.req_pool_idx) for r in hot] == [6 * PAGE, 6 * PAGE]
+    decode(rig, [*hot, resident], rng, steps=1)
+    assert sizes.of(resident.req_pool_idx) == 6 * PAGE and rig.coord._resident_decode.elastic.residents.demotions_total == 1
+    decode(rig, [*hot, resident], rng, steps=30, overlap=0.8)
+    for r in (*hot, resident):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
+def test_a_resident_request_is_not_traded_for_one_growth(gloo_world):
+    """The same with one hot buffer (23 pages): demoting the resident request would grow only it
+    and one other buffer, which does not pay; it stays resident and nothing grows."""
+    rig = Rig(gloo_world, device_rows=PAGE * 23, residency=True, residency_watermark=0.0, promotion_interval=1,
+              max_device_buffer_size=6 * PAGE, max_context=24 * PAGE)
+    hot, resident = hot_and_resident(rig, [14], 17)
+    decode(rig, [*hot, resident], random.Random(11), steps=3)
+    assert rig.coord.residency.holds(resident.req_pool_idx) and rig.coord.hot.sizes.of(hot[0].req_pool_idx) == rig.B
+    for r in (*hot, resident):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
+
+
 def test_growth_keeps_the_watermark_and_one_hot_buffer_free_and_off_by_default(gloo_world):
     """With only one more hot buffer free beyond the watermark nothing grows; without
     ``max_device_buffer_size`` the sizes never change and the resolver gets no size table."""

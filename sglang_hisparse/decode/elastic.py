@@ -12,6 +12,13 @@ equally among the step's long hot-buffer requests, in whole pages, each up to th
 token, still pending in the window, must stay where the write-through reads it). Mechanism:
 :meth:`HotBuffers.resize <sglang_hisparse.memory.hot_buffers.HotBuffers.resize>`.
 
+Trading residents (:class:`ResidentsForGrowth`): when the free rows cannot grow every long hot
+buffer to its limit, the longest resident request is demoted if its rows, less its own buffer's
+growth, grow at least two other buffers fully (misses halve roughly when a buffer doubles; a
+resident request has none, so one request's grown-buffer misses buy two buffers' halving). Under
+uniform pressure (every request long, the pool full) this spreads the rows of a few whole
+requests over everyone's buffers.
+
 Giving back (:meth:`ElasticBuffers.give_back`), called by the pressure relief before it demotes
 (``decode/pressure.py``) and by a prefill's reclaim: the largest grown buffers shrink first, by
 the whole pages the shortfall needs, never below the opening size, so no fewer requests are held
@@ -41,11 +48,14 @@ ELASTIC_INTERVAL = 32
 
 
 class ElasticBuffers:
-    def __init__(self, hot, allocator, mirror, *, reserve_rows: int, quiesce: Callable[[], None], interval: int):
+    def __init__(self, hot, allocator, mirror, *, reserve_rows: int, quiesce: Callable[[], None], interval: int,
+                 residents: Optional["ResidentsForGrowth"] = None):
         """``reserve_rows``: rows growth leaves free (the residency watermark and one hot buffer).
-        ``interval``: decode steps between two growth checks (> 0)."""
+        ``interval``: decode steps between two growth checks (> 0). ``residents``: the resident
+        requests growth may demote (:class:`ResidentsForGrowth`; None: growth uses free rows only)."""
         self.hot, self.allocator, self.mirror = hot, allocator, mirror
         self.reserve_rows, self.quiesce, self.interval = reserve_rows, quiesce, max(1, interval)
+        self.residents = residents
         self._steps_left = self.interval
         self.grown_rows_total = 0
         """Rows buffers took by growing, since start (the idle report's ``grown``)."""
@@ -61,7 +71,8 @@ class ElasticBuffers:
             return None
         reserve = driver.residency.policy.watermark_rows + driver.hot.padded
         return cls(driver.hot, driver.allocator, driver.mirror, reserve_rows=reserve, quiesce=driver.quiesce,
-                   interval=config.promotion_interval or ELASTIC_INTERVAL)
+                   interval=config.promotion_interval or ELASTIC_INTERVAL,
+                   residents=ResidentsForGrowth(driver.residency, driver.demote))
 
     def grown(self) -> dict[int, int]:
         """Request slot -> size of every open buffer above the opening size. Reads only."""
@@ -85,7 +96,7 @@ class ElasticBuffers:
         hot, page = self.hot, self.hot.page_size
         spare = self.allocator.rows.room() - self.reserve_rows
         at = np.flatnonzero(hot_mask)
-        if spare < page or at.size == 0:
+        if at.size == 0 or (spare < page and self.residents is None):
             return 0
         idx_np, len_np = idxs.numpy()[at], lens.numpy()[at]
         # the most each may take: the table width, and no slot for the previous token's position
@@ -96,6 +107,10 @@ class ElasticBuffers:
         long_buffer = [hot.capacity[i] > size for i, size in zip(idx_np.tolist(), sizes.tolist())]
         room = np.maximum(np.where(long_buffer, limits - sizes, 0), 0)
         if not room.any():
+            return 0
+        if self.residents is not None and spare < int(room.sum()):
+            spare += self.residents.trade(int(room.sum()) - spare, hot.buffer_size - hot.open_size)
+        if spare < page:
             return 0
         share = max(page, spare // int((room > 0).sum()) // page * page)
         taken = 0
@@ -127,3 +142,38 @@ class ElasticBuffers:
                 grown[idx] = size - cut
         self.given_back_rows_total += freed
         return freed
+
+
+class ResidentsForGrowth:
+    """Policy: when free rows cannot grow every long hot buffer to its limit, a long resident
+    request is worth more as rows for others' buffers. Misses roughly halve when a buffer doubles
+    (docs/policies.md); a resident request has none. Demoting one (its buffer then grows to the
+    largest size like the others) loses about one grown buffer's misses and gains one full growth's
+    worth for every other buffer its rows grow, so it pays when its rows, net of its own growth,
+    grow at least two other buffers fully. Longest first (the residency policy's victim order).
+    ``residency``: the driver's; ``demote(idx)``: the driver's demotion (its ordering and write-through)."""
+
+    def __init__(self, residency, demote: Callable[[int], None]):
+        self.residency, self.demote = residency, demote
+        self.demotions_total = 0
+        """Resident requests demoted to grow others' buffers, since start."""
+
+    def trade(self, short: int, full_growth: int) -> int:
+        """Demote resident requests (longest first) while the growth still lacks ``short`` rows of
+        at least two full growths (``full_growth`` rows each) and the next victim's rows, less its
+        own full growth, cover two. Returns the rows the demotions freed. Side effects: demotions."""
+        freed_total = 0
+        while full_growth > 0 and short >= 2 * full_growth:
+            victim = self.residency.first_victim()
+            if victim is None:
+                break
+            freed = self.residency.reclaimable()[victim]
+            if freed - full_growth < 2 * full_growth:
+                break
+            self.demote(victim)
+            self.demotions_total += 1
+            freed_total += freed
+            short -= freed - full_growth
+        if freed_total:
+            logger.info("sglang-hisparse: %d rows of resident requests traded for hot-buffer growth", freed_total)
+        return freed_total

@@ -62,6 +62,13 @@ class PressureRelief:
         self.demote(victim)
         return True
 
+    def unlend(self, rows: int) -> None:
+        """Shrink grown hot buffers until ``rows`` device rows are free, so an admission sees the
+        room it would have without elastic buffers. No demotion; nothing shrinks without elastic
+        buffers, when the rows are free already, or when even every lent row would not free them."""
+        if self.elastic is not None and self._free_rows() + self.elastic.lent_rows() >= rows:
+            self.elastic.give_back(rows)
+
     def shortfall(self, at_page_start: list[tuple[int, int]], taken: int) -> int:
         """Rows a step taking ``taken`` free rows lacks after every demotion that could help (0: it
         fits); ``at_page_start``: ``(slot, length)`` of the step's requests whose newest position
@@ -127,13 +134,6 @@ class ResidentDecode(PressureRelief):
     def reclaimable_rows(self) -> int:
         """Rows a prefill can have on demand: resident requests' and grown hot buffers' above their opening size."""
         return self.residency.reclaimable_rows() + (self.elastic.lent_rows() if self.elastic is not None else 0)
-
-    def unlend(self, rows: int) -> None:
-        """Shrink grown hot buffers until ``rows`` device rows are free, so an admission sees the
-        room it would have without elastic buffers. No demotion; nothing shrinks without elastic
-        buffers, when the rows are free already, or when even every lent row would not free them."""
-        if self.elastic is not None and self.allocator.rows.room() + self.elastic.lent_rows() >= rows:
-            self.elastic.give_back(rows)
 
     def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], bool]) -> bool:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
@@ -275,15 +275,6 @@ class ResidentDecode(PressureRelief):
             self.elastic.give_back(rows)
         while self.allocator.rows.room() < rows and self.demote_one():
             pass
-
-    def demote_one(self) -> bool:
-        """Demote the policy's first victim (see the module docstring for the ordering); False
-        when no demotion would free rows."""
-        victim = self.residency.first_victim()
-        if victim is None:
-            return False
-        self.demote(victim)
-        return True
 
     def demote(self, idx: int) -> None:
         """Demote resident request slot ``idx`` (see the module docstring for the ordering)."""
