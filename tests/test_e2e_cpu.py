@@ -7,7 +7,8 @@
   back at its initial count.
 * Requests aborted mid-decode: afterwards every pool reports exactly its initial free count.
 * Residency on, under pressure: requests start resident and are demoted mid-decode; outputs identical;
-  with shorter requests finishing early, the demoted request is promoted back (default interval).
+  with shorter requests finishing early, the demoted request is promoted back (default interval);
+  with elastic hot buffers (``max_device_buffer_size``), the demoted request's buffer grows.
 * The reuse replacement policy (``replacement: "reuse"``): outputs identical (full tier).
 * A deliberately wrong resolver (test-only fault switch) changes the outputs: the comparison
   can fail.
@@ -37,6 +38,9 @@ DEFAULT = "{}"  # every key at its default: B = 2 x top_k = 128, ratio 2, reside
 # Residency on, with a watermark (22% of the device pool) that every request clears at admission but
 # that decode growth crosses (test_residency_under_pressure_stays_identical_and_demotes_mid_decode).
 PRESSURE = f'{{"device_buffer_size": {B}, "host_to_device_ratio": 2, "residency": true, "residency_watermark": 0.22}}'
+# The same pressure with elastic hot buffers up to 2B (issue 44): the demoted request's buffer grows
+# into the rows its demotion freed beyond the watermark and one hot buffer.
+ELASTIC = PRESSURE[:-1] + f', "max_device_buffer_size": {2 * B}}}'
 COMMON = [
     "--mem-fraction-static", "0.5", "--disable-overlap-schedule", "--chunked-prefill-size", "16384",
     "--max-running-requests", "8",
@@ -70,14 +74,16 @@ def servers(logs):
 
 @pytest.fixture(scope="module")
 def pressure_and_fault(logs, servers, baseline_outputs):
-    """Ours with residency under pressure (16384 device rows) and ours with the wrong-row fault.
+    """Ours with residency under pressure (16384 device rows), the same with elastic hot buffers,
+    and ours with the wrong-row fault.
     The first three servers are stopped first: every test using them runs before these (file
     order), the baseline's outputs are kept, and five CPU servers at once left a 24 GiB CI machine
     under SGLang's 10 GiB host-memory reserve (the host pool's start-up check refused the fourth)."""
     stop_now(servers.values())
     started = start_all(dict(spec("hisparse_residency", PRESSURE, max_total_tokens=16384), log_dir=logs),
+                        dict(spec("hisparse_elastic", ELASTIC, max_total_tokens=16384), log_dir=logs),
                         dict(spec("hisparse_fault", HISPARSE, env={"SGLANG_HISPARSE_TEST_FAULT": "wrong_row"}), log_dir=logs))
-    yield dict(zip(("pressure", "fault"), started))
+    yield dict(zip(("pressure", "elastic", "fault"), started))
     stop_soon(started)
 
 
@@ -190,6 +196,19 @@ def test_a_demoted_request_is_promoted_back_when_shorter_requests_finish(pressur
     assert report["demotions"] >= 1 and report["promotions"] >= 1, report
     assert report["resident"] == 0 and not report["leak"], report
     assert "promoted from its hot buffer to rows of its own" in server.log()
+
+
+def test_elastic_hot_buffers_grow_under_pressure_and_stay_identical(pressure_and_fault, baseline_outputs):
+    """The pressure above with ``max_device_buffer_size`` 2B: the longest request is demoted at
+    step 24 and, at the next growth check (step 32), its buffer grows into the rows the demotion
+    freed (the kernel reads its size); outputs identical to the server without HiSparse, every
+    pool back with the sizes."""
+    server = pressure_and_fault["elastic"]
+    outputs, report = generate_and_report(server)
+    assert outputs == baseline_outputs
+    assert report["demotions"] >= 1 and report["grown"] > 0, report
+    assert report["resident"] == 0 and not report["leak"], report
+    assert report["misses"] > 0, "the grown buffer still misses from host"
 
 
 def test_a_broken_resolver_is_detected(pressure_and_fault, baseline_outputs):
