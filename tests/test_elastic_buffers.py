@@ -242,3 +242,35 @@ def test_virtual_slots_sit_below_the_size_then_in_the_window():
     assert not fixed.elastic and fixed.newest_slots(torch.tensor([1]), torch.tensor([150])).tolist() == [100]
     with pytest.raises(HiSparsePluginError, match="multiples of the page size"):
         BufferSizes(max_reqs=2, open_size=100, table_size=256, page=64, device=torch.device("cpu"))
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(size_pages=st.integers(2, 4), first=st.integers(0, 300), count=st.integers(0, 100))
+def test_runs_are_the_virtual_slots_and_place_writes_them_without_an_index_tensor(size_pages, first, count):
+    """``runs`` lists :meth:`BufferSizes.physical`'s slots as at most two runs, and ``place`` /
+    ``rows_held`` write and read them with slices only: an index tensor built on the host would be
+    a pageable copy to the device, which waits for the forward in flight (it cost ~125 ms per
+    request entering decode on the GPU, gpu_run88)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sizes = BufferSizes(max_reqs=1, open_size=128, table_size=256, page=64, device=torch.device("cpu"))
+    sizes.set(0, size_pages * 64)
+    count = max(0, min(count, size_pages * 64 + 64 - first))  # virtual slots: the size, then the window
+    slots = [s for slot, n in sizes.runs(0, first, count) for s in range(slot, slot + n)]
+    assert slots == sizes.physical(0, first, count).tolist() and len(sizes.runs(0, first, count)) <= 2
+
+    class Ops(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    table = torch.full((1, 256 + 64), -1, dtype=torch.int32)
+    rows = torch.arange(1000, 1000 + count)
+    with Ops():
+        sizes.place(table, 0, first, rows)
+        back = sizes.rows_held(table, 0, first, count)
+    assert not [op for op in Ops.seen if "index" in op], Ops.seen
+    assert back.tolist() == rows.tolist()
+    assert table[0, slots].tolist() == rows.tolist()

@@ -63,26 +63,32 @@ class BufferSizes:
         size = self.host[idx]
         return np.where(k < size, k, self.table_size + k - size)
 
+    def runs(self, idx: int, first: int, count: int) -> list[tuple[int, int]]:
+        """The same slots as :meth:`physical`, as at most two runs ``(first slot, length)``: those
+        below the request's size, then those of the window. Pure host arithmetic."""
+        size = int(self.host[idx])
+        below = max(0, min(first + count, size) - first)
+        out = [(first, below)] if below else []
+        if count > below:
+            out.append((self.table_size + first + below - size, count - below))
+        return out
+
     def place(self, slot_rows: torch.Tensor, idx: int, first: int, rows: torch.Tensor) -> None:
         """Write ``rows`` into ``slot_rows[idx]`` (the hot buffers' table) at request slot
-        ``idx``'s virtual slots ``first ..`` (none: nothing)."""
-        if rows.numel() == 0:
-            return
-        slots = self.physical(idx, first, rows.numel())
-        if slots[-1] - slots[0] == rows.numel() - 1:  # one run of slots (always, at one size)
-            slot_rows[idx, int(slots[0]) : int(slots[-1]) + 1] = rows.to(torch.int32)
-        else:
-            slot_rows[idx, torch.from_numpy(slots).to(slot_rows.device)] = rows.to(torch.int32)
+        ``idx``'s virtual slots ``first ..`` (none: nothing). Slices only: no index built on the
+        host (a pageable copy to the device would wait for the work in flight)."""
+        done = 0
+        for slot, length in self.runs(idx, first, rows.numel()):
+            slot_rows[idx, slot : slot + length] = rows[done : done + length].to(torch.int32)
+            done += length
 
     def rows_held(self, slot_rows: torch.Tensor, idx: int, first: int, count: int) -> torch.Tensor:
         """The rows (int64) in ``slot_rows[idx]`` at request slot ``idx``'s virtual slots
-        ``first .. first + count - 1``. Reads only."""
-        if count == 0:
+        ``first .. first + count - 1``. Reads only; slices, as :meth:`place`."""
+        parts = [slot_rows[idx, slot : slot + length] for slot, length in self.runs(idx, first, count)]
+        if not parts:
             return slot_rows.new_zeros(0, dtype=torch.int64)
-        slots = self.physical(idx, first, count)
-        if slots[-1] - slots[0] == count - 1:
-            return slot_rows[idx, int(slots[0]) : int(slots[-1]) + 1].to(torch.int64)
-        return slot_rows[idx, torch.from_numpy(slots).to(slot_rows.device)].to(torch.int64)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(torch.int64)
 
     def step_slots(self, idx: int, seq_len: int) -> int:
         """Virtual slots a one-token step at ``seq_len`` uses: the newest position's and all below."""

@@ -28,6 +28,7 @@ compacted pages on the device.
 from __future__ import annotations
 
 import collections
+import random
 import warnings
 
 import pytest
@@ -122,6 +123,40 @@ def test_hot_buffer_requests_enter_decode_and_finish_without_a_host_sync(gloo_wo
     reqs = [Request(uid=i, prompt_len=n) for i, n in enumerate([60, 100, 300, 500])]  # B = 128: short and long
     try:
         rig.run_flow(reqs, steps=70, seed=2)
+    finally:
+        rig.close()
+    print("syncs in free (not asserted):\n" + reported.report())
+    assert not recorder.sites, "host syncs in our calls:\n" + recorder.report()
+
+
+def test_elastic_hot_buffers_open_grow_and_close_without_a_host_sync(gloo_world):
+    """``max_device_buffer_size`` (issue 44): a request entering decode as a hot buffer whose
+    window slots are not next to its size (slot tables 6 pages wide, the buffer at 2), growth of
+    three buffers at the checks (every step) inside ``map_last_loc_to_buffer``, and finishing.
+    The first GPU run (gpu_run88) waited ~125 ms per request entering decode: the slots were
+    written through an index tensor built on the host (a pageable copy to the device). The two
+    demotions that make the rows spare are by hand, outside the guarded calls."""
+    rig, recorder, reported = guarded_rig(gloo_world, residency=True, residency_watermark=0.25, device_rows=PAGE * 24,
+                                          max_reqs=8, max_context=2048, promotion_interval=1,
+                                          max_device_buffer_size=6 * PAGE)
+    reqs = [Request(uid=i, prompt_len=8 * PAGE) for i in range(3)]
+    rng = random.Random(4)
+    try:
+        for req in reqs:
+            assert rig.prefill(req)
+            rig.stage(req)
+            torch.cuda.synchronize()  # its staging copy done: it enters at this collect
+            assert rig.collect() == [req]
+        assert rig.coord.hot.holds(reqs[2].req_pool_idx), "the third should enter as a hot buffer"
+        for req in reqs[:2]:
+            rig.coord._resident_decode.demote(req.req_pool_idx)
+        for _ in range(6):
+            assert rig.decode_step(reqs)
+            for layer in range(rig.layers):
+                rig.resolve_and_check(reqs, layer, [rng.sample(range(r.seq_len), rig.top_k) for r in reqs])
+        assert rig.coord._resident_decode.elastic.grown_rows_total > 0
+        for req in reqs:
+            rig.release(req)
     finally:
         rig.close()
     print("syncs in free (not asserted):\n" + reported.report())
