@@ -24,13 +24,15 @@ Giving back (:meth:`ElasticBuffers.give_back`), called by the pressure relief be
 the whole pages the shortfall needs, never below the opening size, so no fewer requests are held
 than without elastic buffers. Admission sees the room it would have without them: a request
 entering decode, or admitted directly on a PD decode instance, may stay resident if it would have
-without grown buffers (``ResidentDecode.unlend``), and a PD hot buffer reclaims what SGLang's PD
-budget counted as reclaimable before it opens. Ordering of a shrink: the current stream after the forward in flight
-(``quiesce``: it may read those rows) and after every write-through copy (which may read them),
-then the rows go back to the free list.
+without grown buffers (``PressureRelief.unlend``), and a PD hot buffer reclaims what SGLang's PD
+budget counted as reclaimable before it opens. Ordering of a shrink: the current stream after the
+forward in flight (``quiesce``: it may read those rows) and after every write-through copy (which
+may read them), then the rows go back to the free list.
 
-Owns: the steps left until the next growth check and the two row totals the idle report shows. The sizes are the hot buffers'
-(``hot.sizes``; a buffer that closes is back at the opening size), the rows the allocator's.
+Owns: the steps left until the next growth check and the row totals the idle report shows
+(:class:`ElasticBuffers`), the count of trades (:class:`ResidentsForGrowth`). The sizes are the hot
+buffers' (``hot.sizes``; a buffer that closes is back at the opening size), the rows the
+allocator's, residency the driver's.
 """
 
 from __future__ import annotations
