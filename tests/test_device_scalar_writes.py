@@ -89,3 +89,63 @@ def test_the_guard_sees_a_scalar_written_through_indexing(gloo_world):
         rig.coord.residency.flags[1] = 1
         rig.allocator.logical_to_device[torch.tensor([3, 4])] = 0
     assert sum(mode.sites.values()) == 2
+
+
+
+class DeviceReads(TorchDispatchMode):
+    """Records, with the line of ours that issued it, every op on a tensor that a server keeps on
+    the KV device (the given state, and by propagation every result of an op reading one) whose
+    result size depends on device values (``nonzero``, boolean-mask indexing, ``masked_select``,
+    ``unique``) or that reads a value back (``_local_scalar_dense``): each waits for the device on a
+    GPU. Host-side state (numpy views, the step's CPU tensors) is never marked, so its reads pass."""
+
+    READS = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+             torch.ops.aten._local_scalar_dense.default, torch.ops.aten._unique2.default,
+             torch.ops.aten.unique_dim.default, torch.ops.aten.unique_consecutive.default}
+
+    def __init__(self, device_tensors: list[torch.Tensor]):
+        super().__init__()
+        self.marked = {t.untyped_storage().data_ptr() for t in device_tensors}
+        self.held: list[torch.Tensor] = []  # so that no marked storage is freed and its address reused
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def _on_device(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in self.marked
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        on_device = any(self._on_device(x) for x in inputs)
+        bool_index = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
+        if on_device and (func in self.READS or bool_index):
+            ours = [f for f in traceback.extract_stack() if "sglang_hisparse" in f.filename]
+            where = f"{ours[-1].filename.split('sglang_hisparse/')[-1]}:{ours[-1].lineno}" if ours else "not ours"
+            self.sites[f"{func}: {where}"] += 1
+        out = func(*args, **(kwargs or {}))
+        if on_device:
+            for x in [*torch.utils._pytree.tree_leaves(out), *(args[:1] if func._schema.is_mutable else [])]:
+                if isinstance(x, torch.Tensor):
+                    self.marked.add(x.untyped_storage().data_ptr())
+                    self.held.append(x)
+        return out
+
+
+def test_demoting_a_long_resident_request_reads_nothing_back_from_the_device(gloo_world):
+    """A demotion under pressure (pages kept by the last step's selections, the rest freed) issues
+    no op that waits for the device: demotions run while a prefill is in flight (a prefill's
+    reclaim) or inside a decode step (pressure relief, elastic buffers' trades). The selections'
+    empty entries and the dropped pages were boolean masks before (gpu_run88's trades and the
+    admission phase's demotions each waited)."""
+    rig = Rig(gloo_world, device_rows=PAGE * 24, residency=True, residency_watermark=0.0, top_k=32, debug=False)
+    req = Request(uid=1, prompt_len=10 * PAGE)
+    rig.enter_by_prefill([req])
+    assert rig.decode_step([req])
+    for layer in range(rig.layers):
+        rig.resolve_and_check([req], layer, [list(range(2 * PAGE, 2 * PAGE + 20))])  # 12 empty selections
+    device = [*device_state(rig), rig.coord._resident_decode.selections, rig.req_to_token_pool.req_to_token]
+    with DeviceReads(device) as mode:
+        rig.coord._resident_decode.reclaim(rig.allocator.rows.room() + PAGE)
+    assert rig.coord.hot.holds(req.req_pool_idx)
+    assert not mode.sites, f"ops that wait for the device in a demotion: {dict(mode.sites)}"
+    rig.release(req)
+    assert rig.counts() == rig.initial_counts

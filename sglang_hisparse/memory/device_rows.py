@@ -68,13 +68,16 @@ class DeviceRows:
         return rows
 
     def keep_pages(self, page_starts: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """A request's pages ``page_starts[keep]`` (its first device row per page, all on device)
-        become hot-buffer rows, in the order of ``keep``; its other pages are freed. Returns the
-        kept rows, page by page."""
+        """A request's pages ``page_starts[keep]`` (its first device row per page, all on device;
+        ``keep`` distinct) become hot-buffer rows, in the order of ``keep``; its other pages are
+        freed. Returns the kept rows, page by page. No host sync."""
         p = self.page_size
-        dropped = torch.ones(page_starts.numel(), dtype=torch.bool, device=page_starts.device)
-        dropped[keep] = False
-        self.pages.free_pages_(page_starts[dropped] // p)
+        dropped = torch.ones(page_starts.numel(), dtype=torch.int8, device=page_starts.device)
+        dropped[keep] = 0
+        # the dropped pages first (a stable sort of the flags), as many as the host knows there are:
+        # no boolean mask, whose compaction would wait for the device
+        first_dropped = torch.argsort(dropped, descending=True, stable=True)[: page_starts.numel() - keep.numel()]
+        self.pages.free_pages_(page_starts[first_dropped] // p)
         rows = self.pages.page_rows(page_starts[keep] // p)
         self.hot_owned.index_fill_(0, rows, True)
         return rows

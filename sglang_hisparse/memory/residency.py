@@ -271,7 +271,8 @@ class Residency(ResidentSlots):
         page_starts = self.allocator.device_rows_of(logical_ids[::p])
         scores = torch.zeros(page_starts.numel(), dtype=torch.float64, device=page_starts.device)
         if selected_rows is not None and selected_rows.numel():
-            chosen = selected_rows[selected_rows >= 0].to(page_starts.device, torch.int64) // p
+            rows = selected_rows.to(page_starts.device, torch.int64)  # no boolean mask: it waits for the device
+            chosen = torch.where(rows >= 0, rows // p, -1)  # an empty selection: page -1, matching none
             scores = (page_starts.view(-1, 1) // p == chosen.view(1, -1)).sum(1).double()
         keep = self.policy.pages_to_keep(scores, self.hot.padded // p)
         keep = torch.cat([keep[1:], keep[:1]])  # the least useful kept page holds the newest slot B

@@ -11,8 +11,9 @@ naming those lines.
 Flows: residency on without pressure (requests enter resident, resident steps across page starts
 and a deferred write-through, finishing), and hot buffers only (short and long requests, the full
 step path, finishing), each after one unguarded warm-up request (first-use set-up, e.g. the copy
-lanes' streams, is not a per-step cost). Demotion under pressure is not guarded: it reads
-selections back on purpose (it runs once per demoted request, not per step).
+lanes' streams, is not a per-step cost). Demotion is guarded in the elastic flow (hand-called
+there; it used boolean masks on the selections and the dropped pages until 2026-12-07, fourth
+session; tests/test_device_scalar_writes.py has its CPU guard).
 
 ``HiSparseAllocator.free`` (SGLang's free of the logical ids, once per step with finishing
 requests: its result processing groups the frees) is recorded and printed but not asserted: it
@@ -135,7 +136,7 @@ def test_elastic_hot_buffers_open_grow_and_close_without_a_host_sync(gloo_world)
     three buffers at the checks (every step) inside ``map_last_loc_to_buffer``, and finishing.
     The first GPU run (gpu_run88) waited ~125 ms per request entering decode: the slots were
     written through an index tensor built on the host (a pageable copy to the device). The two
-    demotions that make the rows spare are by hand, outside the guarded calls."""
+    demotions that make the rows spare are by hand, guarded too."""
     rig, recorder, reported = guarded_rig(gloo_world, residency=True, residency_watermark=0.25, device_rows=PAGE * 24,
                                           max_reqs=8, max_context=2048, promotion_interval=1,
                                           max_device_buffer_size=6 * PAGE)
@@ -148,6 +149,7 @@ def test_elastic_hot_buffers_open_grow_and_close_without_a_host_sync(gloo_world)
             torch.cuda.synchronize()  # its staging copy done: it enters at this collect
             assert rig.collect() == [req]
         assert rig.coord.hot.holds(reqs[2].req_pool_idx), "the third should enter as a hot buffer"
+        recorder.guard(rig.coord._resident_decode, "demote")
         for req in reqs[:2]:
             rig.coord._resident_decode.demote(req.req_pool_idx)
         for _ in range(6):
