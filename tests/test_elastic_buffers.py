@@ -226,13 +226,18 @@ def test_growth_at_a_page_boundary_leaves_the_pending_previous_token_in_the_wind
     assert rig.counts() == rig.initial_counts
 
 
+def slots_of(sizes: BufferSizes, idx: int, first: int, count: int) -> list[int]:
+    """The slots of ``sizes.runs``, one by one."""
+    return [slot for start, length in sizes.runs(idx, first, count) for slot in range(start, start + length)]
+
+
 def test_virtual_slots_sit_below_the_size_then_in_the_window():
     """Virtual slot k is slot k below the request's size S and window slot B + k - S from S on;
     one-token steps put a position below S in its own slot, any other in slot B."""
     sizes = BufferSizes(max_reqs=2, open_size=128, table_size=256, page=64, device=torch.device("cpu"))
-    assert sizes.physical(0, 120, 12).tolist() == [*range(120, 128), *range(256, 260)]
+    assert slots_of(sizes, 0, 120, 12) == [*range(120, 128), *range(256, 260)]
     sizes.set(0, 192)
-    assert sizes.physical(0, 120, 12).tolist() == list(range(120, 132))
+    assert slots_of(sizes, 0, 120, 12) == list(range(120, 132))
     assert (sizes.step_slots(0, 100), sizes.step_slots(0, 500), sizes.step_slots(1, 500)) == (100, 193, 129)
     assert sizes.newest_slots(torch.tensor([0, 1]), torch.tensor([150, 150])).tolist() == [150, 256]
     assert sizes.device.tolist() == [192, 128] and sizes.host.tolist() == [192, 128]
@@ -247,17 +252,19 @@ def test_virtual_slots_sit_below_the_size_then_in_the_window():
 @settings(max_examples=examples(60), deadline=None)
 @given(size_pages=st.integers(2, 4), first=st.integers(0, 300), count=st.integers(0, 100))
 def test_runs_are_the_virtual_slots_and_place_writes_them_without_an_index_tensor(size_pages, first, count):
-    """``runs`` lists :meth:`BufferSizes.physical`'s slots as at most two runs, and ``place`` /
-    ``rows_held`` write and read them with slices only: an index tensor built on the host would be
-    a pageable copy to the device, which waits for the forward in flight (it cost ~125 ms per
-    request entering decode on the GPU, gpu_run88)."""
+    """``runs`` lists the virtual slots' slots (k below the size S, else ``B + k - S``) as at most
+    two runs, and ``place`` / ``rows_held`` write and read them with slices only: an index tensor
+    built on the host would be a pageable copy to the device, which waits for the forward in
+    flight (it cost ~125 ms per request entering decode on the GPU, gpu_run88)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     sizes = BufferSizes(max_reqs=1, open_size=128, table_size=256, page=64, device=torch.device("cpu"))
     sizes.set(0, size_pages * 64)
     count = max(0, min(count, size_pages * 64 + 64 - first))  # virtual slots: the size, then the window
-    slots = [s for slot, n in sizes.runs(0, first, count) for s in range(slot, slot + n)]
-    assert slots == sizes.physical(0, first, count).tolist() and len(sizes.runs(0, first, count)) <= 2
+    slots = slots_of(sizes, 0, first, count)
+    size = size_pages * 64
+    assert slots == [k if k < size else 256 + k - size for k in range(first, first + count)]
+    assert len(sizes.runs(0, first, count)) <= 2
 
     class Ops(TorchDispatchMode):
         seen: list = []

@@ -57,15 +57,10 @@ class BufferSizes:
         if self.device is not None:
             self.device[idx : idx + 1].fill_(size)
 
-    def physical(self, idx: int, first: int, count: int) -> np.ndarray:
-        """Slots of request slot ``idx``'s virtual slots ``first .. first + count - 1`` (int64)."""
-        k = np.arange(first, first + count, dtype=np.int64)
-        size = self.host[idx]
-        return np.where(k < size, k, self.table_size + k - size)
-
     def runs(self, idx: int, first: int, count: int) -> list[tuple[int, int]]:
-        """The same slots as :meth:`physical`, as at most two runs ``(first slot, length)``: those
-        below the request's size, then those of the window. Pure host arithmetic."""
+        """The slots of request slot ``idx``'s virtual slots ``first .. first + count - 1``, as at
+        most two runs ``(first slot, length)``: those below the request's size S (virtual k is
+        slot k), then those of the window (virtual k is slot ``B + k - S``). Pure host arithmetic."""
         size = int(self.host[idx])
         below = max(0, min(first + count, size) - first)
         out = [(first, below)] if below else []
