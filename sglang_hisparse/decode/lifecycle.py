@@ -119,10 +119,10 @@ class RequestLifecycle:
         idx, n = req.req_pool_idx, req.kv.kv_allocated_len
         logical = self.logical_ids(req, n)
 
-        def open_hot() -> bool:
-            return self.hot.open(idx, logical, filled=True) is not None
+        def open_hot() -> Optional[torch.Tensor]:
+            return self.hot.open(idx, logical, filled=True)
 
-        return open_hot() if self.resident is None else self.resident.enter(idx, logical, open_hot)
+        return open_hot() is not None if self.resident is None else self.resident.enter(idx, logical, open_hot)
 
     def _log_waiting(self, req) -> None:
         if self._waiting_since != req.rid:
@@ -168,11 +168,7 @@ class RequestLifecycle:
         def open_hot() -> Optional[torch.Tensor]:
             return self.hot.open(idx, logical, filled=n <= self.hot.open_size, mapped=False)
 
-        rows = open_hot()
-        if rows is None and self.resident is not None:
-            self.resident.reclaim(self.hot.padded)
-            rows = open_hot()
-        return rows
+        return open_hot() if self.resident is None else self.resident.open_hot_buffer(open_hot)
 
     # --- leaving ---------------------------------------------------------------------------------
     def finish(self, req) -> None:

@@ -135,18 +135,24 @@ class ResidentDecode(PressureRelief):
         """Rows a prefill can have on demand: resident requests' and grown hot buffers' above their opening size."""
         return self.residency.reclaimable_rows() + (self.elastic.lent_rows() if self.elastic is not None else 0)
 
-    def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], bool]) -> bool:
+    def enter(self, idx: int, logical_ids: torch.Tensor, open_hot: Callable[[], Optional[torch.Tensor]]) -> bool:
         """A staged request (``logical_ids``: its positions' ids) enters decode: resident if the
         policy allows (grown hot buffers give back the watermark's rows first), else through
-        ``open_hot`` (its hot buffer), reclaiming rows if it does not fit."""
+        ``open_hot`` (its hot buffer, :meth:`open_hot_buffer`)."""
         self.unlend(self.residency.policy.watermark_rows)
         if self.residency.admit(idx, logical_ids):
             self.mirror.defer(idx)
             return True
-        if open_hot():
-            return True
-        self.reclaim(self.hot.padded)
-        return open_hot()
+        return self.open_hot_buffer(open_hot) is not None
+
+    def open_hot_buffer(self, open_hot: Callable[[], Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """``open_hot()`` (a hot buffer's opening: its rows, or None when they are not free), once
+        more after reclaiming one hot buffer's rows (:meth:`reclaim`) when it did not fit."""
+        rows = open_hot()
+        if rows is None:
+            self.reclaim(self.hot.padded)
+            rows = open_hot()
+        return rows
 
     def admit_loaded(self, idx: int, logical_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """PD: :meth:`Residency.admit_loaded` after grown hot buffers gave back what the request's
