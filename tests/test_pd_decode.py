@@ -100,3 +100,28 @@ def test_a_retracted_request_resumes_with_exactly_its_kv(gloo_world, prompt_len,
     rig.release(req)
     rig.release(other)
     assert rig.counts() == rig.initial_counts
+
+
+def test_pd_hot_buffer_demotes_a_resident_request_when_the_free_rows_are_short(gloo_world):
+    """The default configuration (residency on): SGLang's PD budget (``hisparse_attn_allocator``)
+    counts the rows demoting resident requests frees, so a transfer whose hot buffer does not fit
+    the free rows demotes one instead of failing (it raised "no device rows for the hot buffer"
+    before); both decode exact from their KV, and everything comes back."""
+    rig = Rig(gloo_world, device_rows=PAGE * 16, residency=True)
+    rng = random.Random(12)
+    resident = Request(uid=1, prompt_len=12 * PAGE)
+    assert rig.admit_direct(resident)
+    assert rig.coord.residency.holds(resident.req_pool_idx)
+    taken = rig.allocator.rows.pages.alloc_pages(rig.allocator.rows.room() // PAGE - 1)  # one free page left
+    long = Request(uid=2, prompt_len=4 * PAGE)  # longer than B: a full hot buffer of 3 pages
+    assert rig.allocator.hisparse_attn_allocator.available_size() >= rig.coord.padded_buffer_size
+    assert rig.admit_direct(long)
+    assert rig.coord.hot.holds(long.req_pool_idx) and not rig.coord.residency.holds(resident.req_pool_idx)
+    for _ in range(20):
+        assert rig.decode_step([resident, long])
+        for layer in range(rig.layers):
+            rig.resolve_and_check([resident, long], layer, [select(rng, r, rig.top_k, 0.6) for r in (resident, long)])
+    rig.allocator.rows.pages.free_pages_(taken)
+    for r in (resident, long):
+        rig.release(r)
+    assert rig.counts() == rig.initial_counts
