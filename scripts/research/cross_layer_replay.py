@@ -28,7 +28,7 @@ step) resolve: demand misses per resolve with and without prefetch (the no-prefe
 equal ``simulate(LruHitsLast())``: checked), the share of the no-prefetch run's misses in layers
 ``1..L-1`` that the prefetch could have caught (they lie in layer ``l``'s top ``depth`` at the
 same step: *ideal*), the net demand-miss reduction over all layers, prefetch copies per resolve
-and how many of them layer ``l+1`` selected at that step (*used*). Copies are scaled to
+and how many of them were selected before being evicted (*used*). Copies are scaled to
 DeepSeek-V3.2 as ``margin_replay.py`` does.
 
 Traces: ``.traces/<doc>.npz`` from ``scripts/research/traces/generate.py`` (``(layers, steps,
@@ -250,7 +250,7 @@ def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, s
                             "ideal_share_layers_1_on": ideal,
                             "net_miss_reduction": 1 - total / base_total if base_total else 0.0,
                             "copies_per_resolve": run.copies / cells,
-                            "used_same_step_per_resolve": run.used / cells,
+                            "used_per_resolve": run.used / cells,
                             "demand_plus_prefetch_per_resolve": (total + run.copies) / cells,
                             "dsv32_demand_bytes_per_step": total / cells * dsv32_bytes(k),
                             "dsv32_prefetch_bytes_per_step": run.copies / cells * dsv32_bytes(k),
@@ -259,7 +259,7 @@ def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, s
                         log(f"{selector} B={B} depth={depth} cap={cap} {placement}: misses/resolve "
                             f"{row['misses_per_resolve']:.2f} (none {base_total / cells:.2f}), net "
                             f"{100 * row['net_miss_reduction']:.1f}%, ideal {100 * ideal:.1f}%, copies/resolve "
-                            f"{row['copies_per_resolve']:.1f} (used {row['used_same_step_per_resolve']:.1f})")
+                            f"{row['copies_per_resolve']:.1f} (used {row['used_per_resolve']:.1f})")
             configs.append({
                 "selector": selector, "k": k, "B": B, "documents": d, "layers": n_layers, "steps": steps,
                 "misses_per_resolve_no_prefetch": base_total / cells,
