@@ -56,21 +56,10 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from margin_replay import _victims, dsv32_bytes  # noqa: E402  (the same LRU victim choice and DSV3.2 scaling)
+
 PLACEMENTS = ("mru", "low")
-DSV32_ROW_BYTES, DSV32_LAYERS, DSV32_K = 656, 61, 2048
-
-
-def _victims(stamp: np.ndarray, pinned: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """``(N, max(count))`` unpinned slots with the smallest stamps, least recent first (row ``n``
-    uses its first ``count[n]``; the caller guarantees that many unpinned slots)."""
-    n, b = stamp.shape
-    most = int(count.max()) if count.size else 0
-    if most == 0:
-        return np.zeros((n, 0), dtype=np.int64)
-    key = np.where(pinned, np.iinfo(np.int64).max, stamp)
-    part = np.argpartition(key, most - 1, axis=1)[:, :most] if most < b else np.tile(np.arange(b), (n, 1))
-    order = np.argsort(np.take_along_axis(key, part, axis=1), axis=1)
-    return np.take_along_axis(part, order, axis=1)
 
 
 class LruBank:
@@ -208,12 +197,6 @@ def load_traces(folder: Path, docs: Sequence[str], selector: str) -> np.ndarray:
         with np.load(folder / f"{doc}.npz") as data:
             arrays.append(data[selector].astype(np.int64))
     return np.stack(arrays)
-
-
-def dsv32_bytes(k: int) -> float:
-    """Bytes per (request, decode step) of one copy per (layer, step) at trace scale ``k``, scaled to
-    DeepSeek-V3.2 (counts times ``2048 / k``, 656-byte rows, 61 layers)."""
-    return DSV32_K / k * DSV32_ROW_BYTES * DSV32_LAYERS
 
 
 def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, sizes: Sequence[int],
