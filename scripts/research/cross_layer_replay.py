@@ -43,10 +43,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -57,7 +53,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from margin_replay import _victims, dsv32_bytes  # noqa: E402  (the same LRU victim choice and DSV3.2 scaling)
+import margin_replay  # noqa: E402
+from margin_replay import _victims, dsv32_bytes, record_run  # noqa: E402  (the same LRU victim choice, DSV3.2 scaling, record)
 
 PLACEMENTS = ("mru", "low")
 
@@ -192,11 +189,8 @@ def ideal_share(ranked: np.ndarray, k: int, B: int, depth: int) -> float:
 
 def load_traces(folder: Path, docs: Sequence[str], selector: str) -> np.ndarray:
     """``(docs, layers, steps, rank)`` int64 of ``selector`` from ``folder/<doc>.npz``."""
-    arrays = []
-    for doc in docs:
-        with np.load(folder / f"{doc}.npz") as data:
-            arrays.append(data[selector].astype(np.int64))
-    return np.stack(arrays)
+    flat = margin_replay.load_traces(folder, docs, selector)  # document-major (docs * layers, ...)
+    return flat.reshape(len(docs), -1, *flat.shape[1:])
 
 
 def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, sizes: Sequence[int],
@@ -274,15 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = study(args.traces, docs, args.selectors.split(","), args.k, ints(args.B), ints(args.depths),
                    ints(args.caps), args.placements.split(","), check=not args.no_check,
                    log=lambda s: print(s, flush=True))
-    script = os.path.relpath(Path(__file__).resolve(), Path.cwd())
-    given = argv if argv is not None else sys.argv[1:]
-    result.update({"command": " ".join(shlex.quote(a) for a in ["python3", script, *given]),
-                   "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, numpy {np.__version__}",
-                   "wall_seconds": round(time.time() - start, 1)})
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    record_run(result, __file__, argv, start, args.out)
     return 0
 
 

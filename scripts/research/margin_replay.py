@@ -343,15 +343,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = study(args.traces, docs, args.selectors.split(","), args.k, [int(b) for b in args.B.split(",")],
                    [int(m) for m in args.margins.split(",")], args.placements.split(","), check=not args.no_check,
                    log=lambda s: print(s, flush=True))
-    script = os.path.relpath(Path(__file__).resolve(), Path.cwd())
+    record_run(result, __file__, argv, start, args.out)
+    return 0
+
+
+def record_run(result: dict[str, Any], script_file: str, argv: Optional[list[str]], start: float,
+               out: Optional[Path]) -> None:
+    """Add the command line (``argv``, or this process's), the machine and the wall time since
+    ``start`` to ``result``; write it as JSON to ``out`` when given (creating its folder)."""
+    script = os.path.relpath(Path(script_file).resolve(), Path.cwd())
     given = argv if argv is not None else sys.argv[1:]
     result.update({"command": " ".join(shlex.quote(a) for a in ["python3", script, *given]),
                    "machine": machine(), "wall_seconds": round(time.time() - start, 1)})
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
-    return 0
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":
