@@ -95,3 +95,8 @@ def test_no_prefetch_equals_the_kernel_lru_simulator_on_random_traces():
 def test_bad_placement_names_the_allowed_values():
     with pytest.raises(ValueError, match="mru"):
         cl.replay(_shared_selection(2, 2), 8, 24, depth=8, cap=8, placement="top")
+
+
+def test_a_depth_beyond_the_buffer_is_refused():
+    with pytest.raises(ValueError, match="depth 32 > B=24"):
+        cl.replay(_shared_selection(2, 2, rank=32), 8, 24, depth=32, cap=8)

@@ -152,6 +152,8 @@ def replay(ranked: np.ndarray, k: int, B: int, depth: int = 0, cap: int = 0, pla
     d, n_layers, steps, _ = ranked.shape
     if not k <= B:
         raise ValueError(f"need k <= B, got k={k}, B={B}")
+    if depth > B:
+        raise ValueError(f"depth {depth} > B={B}: the candidates would not fit one buffer")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     n_pos = max(int(ranked.max()) + 1, B)
