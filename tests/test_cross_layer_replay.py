@@ -48,7 +48,7 @@ def _shared_selection(layers: int, steps: int, k: int = 8, core: int = 3, rank: 
 def test_identical_layers_lose_every_miss_after_the_first_layer(placement):
     layers, steps, k, B = 3, 10, 8, 24
     ranked = _shared_selection(layers, steps)
-    base = cl.replay(ranked, k, B)
+    base = cl.replay(ranked, k, B, ideal_depths=(k,))
     # layer alone: all k new at step 0, then k - core new per step
     assert base.misses[0, 0].tolist() == [k] + [k - 3] * (steps - 1)
     assert (base.misses[0] == base.misses[0, 0]).all()
@@ -57,7 +57,7 @@ def test_identical_layers_lose_every_miss_after_the_first_layer(placement):
     assert run.misses[0, 1:].sum() == 0
     assert run.copies == int(base.misses[0, 1:].sum())  # exactly the misses, copied one layer early
     assert run.used == run.copies
-    assert cl.ideal_share(ranked, k, B, depth=k) == 1.0
+    assert base.ideal_share(k) == 1.0
 
 
 def test_the_cap_limits_copies_and_what_they_catch():
@@ -75,11 +75,11 @@ def test_unrelated_layers_gain_nothing_and_pay_copies():
     layers, steps, k, B = 2, 6, 8, 24
     ranked = _shared_selection(layers, steps)
     ranked[0, 1] += 10_000  # layer 1 selects other positions (same structure, shifted)
-    base = cl.replay(ranked, k, B)
+    base = cl.replay(ranked, k, B, ideal_depths=(k,))
     run = cl.replay(ranked, k, B, depth=k, cap=k, placement="low")
     assert run.misses[0, 1].sum() >= base.misses[0, 1].sum()
     assert run.used == 0 and run.copies > 0
-    assert cl.ideal_share(ranked, k, B, depth=k) == 0.0
+    assert base.ideal_share(k) == 0.0
 
 
 def test_no_prefetch_equals_the_kernel_lru_simulator_on_random_traces():

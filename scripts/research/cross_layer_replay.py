@@ -45,7 +45,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -144,49 +144,49 @@ class Run:
     misses: np.ndarray  # (docs, layers, steps) demand misses
     copies: int = 0
     used: int = 0
+    caught: dict[int, int] = field(default_factory=dict)
+    """depth -> demand misses of layers 1..L-1 lying in the previous layer's top ``depth`` at the same step."""
+
+    def ideal_share(self, depth: int) -> float:
+        """Share of layers 1..L-1's misses a free prefetch of ``depth`` ranks that evicted nothing
+        useful would catch (meaningful for the run without prefetch, which counted ``depth``)."""
+        total = int(self.misses[:, 1:].sum())
+        return self.caught[depth] / total if total else 0.0
 
 
-def replay(ranked: np.ndarray, k: int, B: int, depth: int = 0, cap: int = 0, placement: str = "mru") -> Run:
+def replay(ranked: np.ndarray, k: int, B: int, depth: int = 0, cap: int = 0, placement: str = "mru",
+           ideal_depths: Sequence[int] = ()) -> Run:
     """Replay ``ranked`` ``(D, L, S, R)`` through ``D x L`` buffers, prefetching layer ``l``'s top
-    ``depth`` into layer ``l+1`` after each of layer ``l``'s resolves (``depth`` 0: no prefetch)."""
+    ``depth`` into layer ``l+1`` after each of layer ``l``'s resolves (``depth`` 0: no prefetch).
+    ``ideal_depths``: for each, count the misses of layers 1..L-1 that the previous layer's top
+    ``depth`` holds at the same step (:attr:`Run.caught`)."""
     d, n_layers, steps, _ = ranked.shape
     if not k <= B:
         raise ValueError(f"need k <= B, got k={k}, B={B}")
-    if depth > B:
-        raise ValueError(f"depth {depth} > B={B}: the candidates would not fit one buffer")
+    if max([depth, *ideal_depths]) > B:
+        raise ValueError(f"depth {max([depth, *ideal_depths])} > B={B}: the candidates would not fit one buffer")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     n_pos = max(int(ranked.max()) + 1, B)
     banks = [LruBank(d, B, n_pos) for _ in range(n_layers)]
-    run = Run(misses=np.zeros((d, n_layers, steps), dtype=np.int64))
+    run = Run(misses=np.zeros((d, n_layers, steps), dtype=np.int64), caught={m: 0 for m in ideal_depths})
+    rows = np.arange(d)[:, None]
+    deepest = max(ideal_depths, default=0)
     for t in range(steps):
         for layer in range(n_layers):
             sel = ranked[:, layer, t, :k]
+            if deepest and layer:
+                missed = banks[layer].where[rows, sel] < 0
+                prev_rank = np.full((d, n_pos), deepest, dtype=np.int64)
+                prev_rank[rows, ranked[:, layer - 1, t, :deepest]] = np.arange(deepest)
+                rank_of_missed = prev_rank[rows, sel][missed]
+                for m in ideal_depths:
+                    run.caught[m] += int((rank_of_missed < m).sum())
             run.misses[:, layer, t], used = banks[layer].resolve(sel)
             run.used += used
             if depth and cap and layer + 1 < n_layers:
                 run.copies += banks[layer + 1].prefetch(ranked[:, layer, t, :depth], cap, placement)
     return run
-
-
-def ideal_share(ranked: np.ndarray, k: int, B: int, depth: int) -> float:
-    """Share of the no-prefetch misses in layers 1..L-1 whose position is in the previous layer's
-    top ``depth`` at the same step (what a free prefetch that evicted nothing useful would catch).
-    Without prefetch a layer's misses do not depend on the other layers, so each replays alone."""
-    d, n_layers, steps, _ = ranked.shape
-    n_pos = max(int(ranked.max()) + 1, B)
-    caught = total = 0
-    for layer in range(1, n_layers):
-        bank = LruBank(d, B, n_pos)
-        for t in range(steps):
-            sel = ranked[:, layer, t, :k]
-            missed = bank.where[bank.rows, sel] < 0
-            offered = np.zeros((d, n_pos), dtype=bool)
-            offered[bank.rows, ranked[:, layer - 1, t, :depth]] = True
-            caught += int((missed & offered[bank.rows, sel]).sum())
-            total += int(missed.sum())
-            bank.resolve(sel)
-    return caught / total if total else 0.0
 
 
 def load_traces(folder: Path, docs: Sequence[str], selector: str) -> np.ndarray:
@@ -207,7 +207,7 @@ def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, s
         cells = d * n_layers * steps
         for B in sizes:
             t0 = time.time()
-            base = replay(ranked, k, B)
+            base = replay(ranked, k, B, ideal_depths=depths)
             if check:
                 from sglang_hisparse_analysis.policies import LruHitsLast
                 from sglang_hisparse_analysis.simulator import simulate
@@ -218,7 +218,7 @@ def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, s
             base_total = int(base.misses.sum())
             rows = []
             for depth in depths:
-                ideal = ideal_share(ranked, k, B, depth)
+                ideal = base.ideal_share(depth)
                 for cap in caps:
                     for placement in placements:
                         run = replay(ranked, k, B, depth, cap, placement)
