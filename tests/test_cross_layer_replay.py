@@ -6,29 +6,15 @@ copies."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from sglang_hisparse_analysis.policies import LruHitsLast
 from sglang_hisparse_analysis.simulator import simulate
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "research" / "cross_layer_replay.py"
+from research_scripts import load_script
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("cross_layer_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cross_layer_replay"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-cl = _load_script()
+cl = load_script("scripts/research/cross_layer_replay.py")
 
 
 def _shared_selection(layers: int, steps: int, k: int = 8, core: int = 3, rank: int = 16) -> np.ndarray:

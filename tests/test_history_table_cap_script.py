@@ -4,10 +4,7 @@ miss rates are the simulator's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 from test_policy_replay_script import _doc
@@ -15,15 +12,12 @@ from test_policy_replay_script import _doc
 from sglang_hisparse_analysis.policies import ReuseTable
 from sglang_hisparse_analysis.simulator import simulate
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "traces" / "history_table_cap.py"
+from research_scripts import load_script
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("history_table_cap", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the worker pool pickles its jobs by module name
-    spec.loader.exec_module(module)
-    return module
+    # registered in sys.modules by load_script: the worker pool pickles its jobs by module name
+    return load_script("scripts/research/traces/history_table_cap.py")
 
 
 def test_cap_script_on_tiny_traces(tmp_path):

@@ -5,27 +5,15 @@ unused copies, and a prefetch that evicts a position needed later is counted as 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "research" / "margin_replay.py"
+from research_scripts import ROOT, load_script
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("margin_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["margin_replay"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-mr = _load_script()
+mr = load_script("scripts/research/margin_replay.py")
 
 
 def _next_misses_in_margin(steps: int, k: int = 16, core: int = 6, rank: int = 32) -> np.ndarray:

@@ -4,20 +4,15 @@ miss counts equal the simulator's."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "bench_policy_replay.py"
+from research_scripts import load_script
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_policy_replay", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/research/bench_policy_replay.py")
 
 
 def _doc(rng: np.random.Generator, layers: int, steps: int, k: int, first_query: int) -> np.ndarray:
