@@ -42,7 +42,6 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from dataclasses import dataclass, field
@@ -54,7 +53,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import margin_replay  # noqa: E402
-from margin_replay import _victims, dsv32_bytes, record_run  # noqa: E402  (the same LRU victim choice, DSV3.2 scaling, record)
+# the same LRU victim choice, DSV3.2 scaling and run record as the margin study
+from margin_replay import _victims, dsv32_bytes, record_run  # noqa: E402
 
 PLACEMENTS = ("mru", "low")
 
@@ -251,20 +251,12 @@ def study(traces: Path, docs: Sequence[str], selectors: Sequence[str], k: int, s
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--traces", type=Path, default=ROOT / ".traces")
-    parser.add_argument("--docs", default=None, help="comma-separated documents (default: every .npz in --traces)")
-    parser.add_argument("--selectors", default="attention,quest")
-    parser.add_argument("--k", type=int, default=256)
-    parser.add_argument("--B", default="512,1024", help="comma-separated buffer sizes")
+    parser = margin_replay.trace_replay_parser(__doc__, PLACEMENTS)
     parser.add_argument("--depths", default="64,256", help="ranks of layer l's selection offered to layer l+1")
     parser.add_argument("--caps", default="32,256", help="most copies per (document, layer, step)")
-    parser.add_argument("--placements", default=",".join(PLACEMENTS))
-    parser.add_argument("--no-check", action="store_true", help="skip the check against simulate(LruHitsLast())")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    docs = args.docs.split(",") if args.docs else sorted(p.stem for p in args.traces.glob("*.npz") if ".tmp" not in p.name)
+    docs = margin_replay.trace_docs(args)
     start = time.time()
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     result = study(args.traces, docs, args.selectors.split(","), args.k, ints(args.B), ints(args.depths),

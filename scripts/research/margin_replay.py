@@ -325,20 +325,32 @@ def machine() -> str:
     return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, numpy {np.__version__}"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def trace_replay_parser(description: str, placements: Sequence[str] = PLACEMENTS) -> argparse.ArgumentParser:
+    """The options every trace replay takes: ``--traces``, ``--docs``, ``--selectors``, ``--k``,
+    ``--B``, ``--placements`` (default: all of ``placements``), ``--no-check``, ``--out``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", type=Path, default=ROOT / ".traces")
     parser.add_argument("--docs", default=None, help="comma-separated documents (default: every .npz in --traces)")
     parser.add_argument("--selectors", default="attention,quest")
     parser.add_argument("--k", type=int, default=256)
     parser.add_argument("--B", default="512,1024", help="comma-separated buffer sizes")
-    parser.add_argument("--margins", default="64,128,256,512")
-    parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--placements", default=",".join(placements))
     parser.add_argument("--no-check", action="store_true", help="skip the check against simulate(LruHitsLast())")
     parser.add_argument("--out", type=Path, default=None, help="JSON results")
+    return parser
+
+
+def trace_docs(args: argparse.Namespace) -> list[str]:
+    """``--docs``, or every trace in ``--traces``."""
+    return args.docs.split(",") if args.docs else sorted(p.stem for p in args.traces.glob("*.npz") if ".tmp" not in p.name)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = trace_replay_parser(__doc__)
+    parser.add_argument("--margins", default="64,128,256,512")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    docs = args.docs.split(",") if args.docs else sorted(p.stem for p in args.traces.glob("*.npz") if ".tmp" not in p.name)
+    docs = trace_docs(args)
     start = time.time()
     result = study(args.traces, docs, args.selectors.split(","), args.k, [int(b) for b in args.B.split(",")],
                    [int(m) for m in args.margins.split(",")], args.placements.split(","), check=not args.no_check,
